@@ -1,0 +1,213 @@
+"""The fusor: layer-wise fused prefill over reused and fresh K/V (paper §4–5).
+
+One routine serves every method, because they differ only in which segments arrive with
+a cache and how many reused tokens are recomputed:
+
+* ``full``   — no segment has a cache: every token is computed (plain prefill);
+* ``prefix`` — the leading segment's cache is *exact* (computed at position 0);
+* ``reuse``  — every chunk has a cache and nothing is recomputed (r = 0);
+* ``blend``  — as reuse, but the HKVD tokens chosen at the check layer(s) are recomputed.
+
+Per layer: write the re-positioned cached K/V of reused segments into the fused cache,
+compute Q/K/V of the *active* tokens (all of them before the first check layer, then only
+HKVD tokens plus every uncached token such as the question), overwrite their K/V with the
+fresh ones, attend exactly causally by absolute position, and run the MLP for them only.
+Exact-cached tokens (the system prefix) are never computed: their K/V are already what
+full prefill would produce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..models.decoder import Decoder, ModelShape, apply_rope
+from ..store.entry import ChunkKV
+from .attention import positional_attention
+from .selection import BlendConfig, kv_deviation, select_hkvd
+
+# capture(layer, positions, keys_before_rope, values): used by chunk precompute.
+Capture = Callable[[int, Tensor, Tensor, Tensor], None]
+
+
+class KVCache:
+    """Preallocated fused KV cache: keys *after* RoPE, ``[layers, kv_heads, capacity, hd]``.
+
+    After the fused prefill it is the engine's ordinary decode cache (paper §5: the fused
+    KV replaces the regular prefill output)."""
+
+    def __init__(self, shape: ModelShape, capacity: int, device: torch.device | str) -> None:
+        dims = (shape.num_layers, shape.num_kv_heads, capacity, shape.head_dim)
+        self.k = torch.empty(dims, dtype=shape.dtype, device=device)
+        self.v = torch.empty(dims, dtype=shape.dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+
+
+@dataclass
+class Segment:
+    """A run of prompt tokens and, if reused, its position-free cache.
+
+    ``exact`` marks a cache that equals full prefill at this offset (a prefix computed at
+    position 0): it is reused as is and never a recompute candidate.
+    """
+
+    token_ids: Sequence[int]
+    cached: ChunkKV | None = None
+    exact: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cached is not None and self.cached.num_tokens != len(self.token_ids):
+            raise ValueError(
+                f"cache holds {self.cached.num_tokens} tokens, segment has {len(self.token_ids)}"
+            )
+
+
+@dataclass
+class FusionReport:
+    """What the fused prefill produced and did."""
+
+    logits: Tensor
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    computed_tokens: int
+    hkvd_positions: Tensor = field(repr=False)
+    active_per_layer: list[int] = field(default_factory=list, repr=False)
+
+
+def fused_prefill(
+    dec: Decoder,
+    segments: Sequence[Segment],
+    kv: KVCache,
+    config: BlendConfig,
+    capture: Capture | None = None,
+) -> FusionReport:
+    """Fill ``kv`` for the prompt ``segments`` and return the last position's logits."""
+    shape = dec.shape
+    config.validate_for(shape.num_layers)
+    device = kv.k.device
+    ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=device)
+    n = ids.numel()
+    if n == 0:
+        raise ValueError("empty prompt")
+    if n > kv.capacity:
+        raise ValueError(f"prompt of {n} tokens exceeds the KV cache capacity {kv.capacity}")
+
+    # Where each segment sits, and which tokens are reused approximately (candidates).
+    spans: list[tuple[int, int, Segment]] = []
+    start = 0
+    candidate = torch.zeros(n, dtype=torch.bool, device=device)
+    uncached = torch.zeros(n, dtype=torch.bool, device=device)
+    for seg in segments:
+        end = start + len(seg.token_ids)
+        spans.append((start, end, seg))
+        if seg.cached is None:
+            uncached[start:end] = True
+        elif not seg.exact:
+            candidate[start:end] = True
+        start = end
+    if not uncached[-1]:
+        raise ValueError("the last prompt token must be computed (end the prompt with an uncached segment)")
+    reused_spans = [(a, b, s) for a, b, s in spans if s.cached is not None]
+    approx = [(a, b, s) for a, b, s in reused_spans if not s.exact]
+    n_candidates = int(candidate.sum())
+    ratio = config.recompute_ratio if n_candidates else 0.0
+    row_of = torch.full((n,), -1, dtype=torch.long, device=device)
+    row_of[candidate] = torch.arange(n_candidates, device=device)
+
+    cos, sin = dec.rope_tables(torch.arange(n, device=device))
+    active = torch.nonzero(uncached | candidate if ratio > 0 else uncached).squeeze(1)
+    h = dec.embed(ids[active])
+    checks = {layer: i for i, layer in enumerate(config.check_layers)}
+    active_per_layer: list[int] = []
+
+    for layer in range(shape.num_layers):
+        for a, b, seg in reused_spans:  # re-positioning: RoPE at the real offsets
+            assert seg.cached is not None
+            kv.k[layer, :, a:b] = apply_rope(seg.cached.k[layer], cos[a:b], sin[a:b])
+            kv.v[layer, :, a:b] = seg.cached.v[layer]
+        q, k, v = dec.qkv(layer, h)
+        if capture is not None:
+            capture(layer, active, k, v)
+        kv.k[layer][:, active] = apply_rope(k, cos[active], sin[active])
+        kv.v[layer][:, active] = v
+
+        if layer in checks and 0.0 < ratio < 1.0:
+            keep = _check(config, checks[layer], layer, active, candidate, row_of, approx, k, v, n_candidates)
+            if keep is not None:
+                active, h, q = active[keep], h[keep], q[:, keep]
+        active_per_layer.append(active.numel())
+        q = apply_rope(q, cos[active], sin[active])
+        out = positional_attention(
+            q, kv.k[layer, :, :n], kv.v[layer, :, :n], active, dec.scaling, shape.sliding_window
+        )
+        h = dec.finish(layer, h, out)
+
+    kv.length = n
+    hkvd = active[candidate[active]]
+    n_uncached = int(uncached.sum())
+    return FusionReport(
+        logits=dec.logits(h[-1:])[0],
+        prompt_tokens=n,
+        reused_tokens=n - n_uncached - hkvd.numel(),
+        recomputed_tokens=hkvd.numel(),
+        computed_tokens=n_uncached,
+        hkvd_positions=hkvd,
+        active_per_layer=active_per_layer,
+    )
+
+
+def _check(
+    config: BlendConfig,
+    check_index: int,
+    layer: int,
+    active: Tensor,
+    candidate: Tensor,
+    row_of: Tensor,
+    approx: list[tuple[int, int, Segment]],
+    k: Tensor,
+    v: Tensor,
+    n_candidates: int,
+) -> Tensor | None:
+    """At a check layer, keep the HKVD candidates; return indices into ``active`` to keep."""
+    is_cand = candidate[active]
+    cand_idx = torch.nonzero(is_cand).squeeze(1)
+    keep_n = round(config.keep_ratio(check_index) * n_candidates)
+    if keep_n >= cand_idx.numel():
+        return None
+    rows = row_of[active[cand_idx]]
+    cached_k = torch.cat([s.cached.k[layer] for _, _, s in approx], dim=1)[:, rows]  # type: ignore[union-attr]
+    cached_v = torch.cat([s.cached.v[layer] for _, _, s in approx], dim=1)[:, rows]  # type: ignore[union-attr]
+    dev = kv_deviation(k[:, cand_idx], v[:, cand_idx], cached_k, cached_v, config.deviation)
+    chosen = cand_idx[select_hkvd(dev, keep_n)]
+    return torch.cat([torch.nonzero(~is_cand).squeeze(1), chosen]).sort().values
+
+
+def decode_step(dec: Decoder, kv: KVCache, token_id: int) -> Tensor:
+    """Append one token at position ``kv.length`` and return next-token logits."""
+    pos = kv.length
+    if pos >= kv.capacity:
+        raise ValueError("KV cache is full")
+    device = kv.k.device
+    positions = torch.tensor([pos], device=device)
+    cos, sin = dec.rope_tables(positions)
+    h = dec.embed(torch.tensor([token_id], device=device))
+    for layer in range(dec.shape.num_layers):
+        q, k, v = dec.qkv(layer, h)
+        kv.k[layer, :, pos : pos + 1] = apply_rope(k, cos, sin)
+        kv.v[layer, :, pos : pos + 1] = v
+        out = positional_attention(
+            apply_rope(q, cos, sin),
+            kv.k[layer, :, : pos + 1],
+            kv.v[layer, :, : pos + 1],
+            positions,
+            dec.scaling,
+            dec.shape.sliding_window,
+        )
+        h = dec.finish(layer, h, out)
+    kv.length = pos + 1
+    return dec.logits(h)[0]

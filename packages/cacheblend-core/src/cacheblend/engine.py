@@ -1,0 +1,348 @@
+"""The engine: ingestion, prompt assembly, store lookups, fused prefill, decode, stats."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .blend.fusor import FusionReport, KVCache, Segment, decode_step, fused_prefill
+from .blend.selection import BlendConfig
+from .decode import Sampler, SamplingConfig, TextStream
+from .models.decoder import Decoder
+from .models.loader import load_model
+from .prompt import PromptBuilder, PromptIds
+from .store import ChunkKV, MemoryStore, chunk_key, open_store
+
+METHODS = ("full", "prefix", "reuse", "blend")
+
+
+class CacheBlendError(ValueError):
+    """Bad input to the engine; the message names the problem."""
+
+
+class UnknownChunkError(CacheBlendError, KeyError):
+    """A chunk handle this engine cannot resolve (unknown key, or made by another model)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class ChunkHandle:
+    """A stored chunk: ``key`` identifies its cache; the token ids let an evicted cache be
+    recomputed instead of failing."""
+
+    key: str
+    num_tokens: int
+    token_ids: tuple[int, ...] = field(default=(), repr=False)
+    model_fingerprint: str = field(default="", repr=False)
+
+
+@dataclass
+class BlendStats:
+    method: str
+    recompute_ratio: float
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    computed_tokens: int = 0
+    store_hits: int = 0
+    store_misses: int = 0
+    new_tokens: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    ttft_s: float
+    stats: BlendStats
+    finish_reason: str = "length"
+    first_token_logits: torch.Tensor | None = field(default=None, repr=False)
+    hkvd_positions: list[int] = field(default_factory=list, repr=False)
+
+
+class Engine:
+    """Loads a model and answers RAG prompts built from cached chunks.
+
+    >>> engine = Engine.load()
+    >>> handles = engine.ingest(["Paris is the capital of France."])
+    >>> engine.generate("What is the capital of France?", chunks=handles).text
+    """
+
+    def __init__(self, loaded, store: MemoryStore, device: str = "cpu") -> None:
+        self.model_dir = loaded.folder
+        self.model_name = loaded.name
+        self.fingerprint: str = loaded.fingerprint
+        self.tokenizer = loaded.tokenizer
+        self.decoder = Decoder(loaded.model)
+        self.store = store
+        self.device = torch.device(device)
+        self.prompts = PromptBuilder(self.tokenizer)
+        self._sink = self.prompts.sink_ids()
+        self.chunk_policy = "chunk:sink=" + ",".join(map(str, self._sink))
+        eos = self.tokenizer.eos_token_id
+        gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+        self.eos_ids = {t for t in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos])) if t is not None}
+
+    @classmethod
+    def load(
+        cls,
+        model: str | os.PathLike | None = None,
+        *,
+        store: str | MemoryStore | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype | str | None = None,
+    ) -> Engine:
+        """Load ``model`` (None: the default SmolLM2-135M-Instruct; or an HF folder or
+        ``.gguf`` file) with a KV ``store`` (spec string or store object)."""
+        loaded = load_model(model, device=device, dtype=dtype)
+        return cls(loaded, open_store(store), device=device)
+
+    @property
+    def context_length(self) -> int:
+        return self.decoder.shape.max_positions
+
+    # -- ingestion -------------------------------------------------------------------
+    def ingest(self, texts: Iterable[str] | str) -> list[ChunkHandle]:
+        """Precompute and store each chunk's KV; chunks already stored cost nothing."""
+        if isinstance(texts, str):
+            texts = [texts]
+        handles = []
+        for text in texts:
+            ids = self.prompts.chunk_ids(text)
+            handles.append(self._handle(ids))
+            self._chunk_kv(handles[-1], _Counter())
+        return handles
+
+    def _handle(self, ids: list[int]) -> ChunkHandle:
+        return ChunkHandle(
+            key=chunk_key(self.fingerprint, ids, self.chunk_policy),
+            num_tokens=len(ids),
+            token_ids=tuple(ids),
+            model_fingerprint=self.fingerprint,
+        )
+
+    def precompute_chunk(self, ids: Sequence[int]) -> ChunkKV:
+        """K (pre-RoPE) and V of ``ids`` run behind the sink token at position 0, with the
+        sink's own K/V dropped (DESIGN.md, chunk precompute)."""
+        s = len(self._sink)
+        return self._prefill_kv(list(self._sink) + list(ids), keep_from=s)
+
+    def _prefill_kv(self, ids: list[int], keep_from: int = 0) -> ChunkKV:
+        shape = self.decoder.shape
+        n = len(ids)
+        if n > shape.max_positions:
+            raise CacheBlendError(f"chunk of {n} tokens exceeds the model's context of {shape.max_positions}")
+        out_k = torch.empty((shape.num_layers, shape.num_kv_heads, n - keep_from, shape.head_dim), dtype=shape.dtype)
+        out_v = torch.empty_like(out_k)
+
+        def capture(layer, positions, k, v):
+            out_k[layer] = k[:, keep_from:]
+            out_v[layer] = v[:, keep_from:]
+
+        kv = KVCache(shape, n, self.device)
+        with torch.inference_mode():
+            fused_prefill(self.decoder, [Segment(ids)], kv, BlendConfig(), capture=capture)
+        return ChunkKV(out_k, out_v)
+
+    def _chunk_kv(self, handle: ChunkHandle, counter: _Counter) -> ChunkKV:
+        kv = self.store.get(handle.key)
+        if kv is not None and kv.num_tokens == handle.num_tokens:
+            counter.hits += 1
+            return kv
+        counter.misses += 1
+        t = time.perf_counter()
+        kv = self.precompute_chunk(handle.token_ids)
+        self.store.put(handle.key, kv)
+        counter.precompute_s += time.perf_counter() - t
+        return kv
+
+    def _prefix_kv(self, ids: list[int], counter: _Counter) -> ChunkKV:
+        """Exact K/V of a prompt prefix computed at position 0 (prefix caching)."""
+        key = chunk_key(self.fingerprint, ids, "prefix")
+        kv = self.store.get(key)
+        if kv is not None and kv.num_tokens == len(ids):
+            counter.hits += 1
+            return kv
+        counter.misses += 1
+        t = time.perf_counter()
+        kv = self._prefill_kv(ids)
+        self.store.put(key, kv)
+        counter.precompute_s += time.perf_counter() - t
+        return kv
+
+    # -- answering -------------------------------------------------------------------
+    def generate(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options) -> Result:
+        """Answer ``query`` over ``chunks`` (handles or raw texts) with ``method``:
+        ``"full"``, ``"prefix"``, ``"reuse"`` or ``"blend"`` (see :meth:`stream` for options)."""
+        run = self._run(query, chunks, **options)
+        for _ in run.pieces:
+            pass
+        assert run.result is not None
+        return run.result
+
+    def stream(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options) -> Iterator[str]:
+        """Yield the answer's text pieces as they are decoded.
+
+        Options: ``system`` (system message; None keeps the template's default),
+        ``preamble`` (text before the chunks in the user turn), ``method``,
+        ``recompute_ratio``, ``check_layers``, ``deviation``, ``gradual``,
+        ``max_new_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``."""
+        return self._run(query, chunks, **options).pieces  # validates now, runs lazily
+
+    def _run(
+        self,
+        query: str,
+        chunks: Sequence[ChunkHandle | str] = (),
+        *,
+        system: str | None = None,
+        preamble: str = "",
+        method: str = "blend",
+        recompute_ratio: float = 0.15,
+        check_layers: Sequence[int] = (1,),
+        deviation: str = "v",
+        gradual: bool = False,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+    ) -> _Run:
+        t0 = time.perf_counter()
+        if not isinstance(query, str) or not query.strip():
+            raise CacheBlendError("query must be a non-empty string")
+        if method not in METHODS:
+            raise CacheBlendError(f"method must be one of {METHODS}, got {method!r}")
+        if isinstance(stop, str):
+            stop = (stop,)
+        if isinstance(chunks, (str, ChunkHandle)):
+            chunks = [chunks]
+        try:
+            blend = BlendConfig(
+                recompute_ratio=recompute_ratio if method == "blend" else 0.0,
+                check_layers=tuple(check_layers),
+                deviation=deviation,
+                gradual=gradual,
+            )
+            blend.validate_for(self.decoder.shape.num_layers)
+            sampling = SamplingConfig(max_new_tokens, float(temperature), float(top_p), tuple(stop), seed)
+        except ValueError as e:
+            raise CacheBlendError(str(e)) from e
+        handles = [self._resolve(c) for c in chunks]
+        prompt = self.prompts.build(query, [list(h.token_ids) for h in handles], system, preamble)
+        n = len(prompt.all_ids)
+        if n >= self.context_length:
+            raise CacheBlendError(
+                f"prompt of {n} tokens does not fit the model's context of {self.context_length} tokens"
+            )
+        stats = BlendStats(method=method, recompute_ratio=blend.recompute_ratio)
+        stats.seconds["tokenize"] = time.perf_counter() - t0
+        return _Run(self, prompt, handles, method, blend, sampling, stats, t0)
+
+    def _resolve(self, chunk: ChunkHandle | str) -> ChunkHandle:
+        if isinstance(chunk, str):
+            return self._handle(self.prompts.chunk_ids(chunk))
+        if not isinstance(chunk, ChunkHandle):
+            raise CacheBlendError(f"chunks take ChunkHandle or str, got {type(chunk).__name__}")
+        if chunk.model_fingerprint and chunk.model_fingerprint != self.fingerprint:
+            raise UnknownChunkError(f"chunk {chunk.key[:12]}… was made by another model")
+        if not chunk.token_ids or chunk_key(self.fingerprint, chunk.token_ids, self.chunk_policy) != chunk.key:
+            raise UnknownChunkError(
+                f"unknown chunk handle {chunk.key[:12]}…: not made by Engine.ingest of this engine"
+            )
+        return chunk
+
+    def segments(self, prompt: PromptIds, handles: list[ChunkHandle], method: str, counter: _Counter) -> list[Segment]:
+        """The prompt as segments with the caches ``method`` may use."""
+        if method == "full":
+            return [Segment(prompt.all_ids)]
+        if method == "prefix":
+            head = prompt.prefix + (prompt.chunks[0] if prompt.chunks else [])
+            rest = [t for c in prompt.chunks[1:] for t in c] + prompt.suffix
+            return [Segment(head, self._prefix_kv(head, counter), exact=True), Segment(rest)]
+        segs = [Segment(prompt.prefix, self._prefix_kv(prompt.prefix, counter), exact=True)] if prompt.prefix else []
+        segs += [Segment(h.token_ids, self._chunk_kv(h, counter)) for h in handles]
+        return segs + [Segment(prompt.suffix)]
+
+
+@dataclass
+class _Counter:
+    hits: int = 0
+    misses: int = 0
+    precompute_s: float = 0.0
+
+
+class _Run:
+    """One request: fused prefill, then decode, yielding text pieces; ``result`` at the end."""
+
+    def __init__(self, engine: Engine, prompt: PromptIds, handles, method, blend, sampling, stats, t0) -> None:
+        self.engine, self.prompt, self.handles = engine, prompt, handles
+        self.method, self.blend, self.sampling, self.stats, self.t0 = method, blend, sampling, stats, t0
+        self.result: Result | None = None
+        self.pieces = self._pieces()
+
+    def _pieces(self) -> Iterator[str]:
+        eng, stats = self.engine, self.stats
+        counter = _Counter()
+        with torch.inference_mode():
+            t = time.perf_counter()
+            segments = eng.segments(self.prompt, self.handles, self.method, counter)
+            stats.seconds["lookup"] = time.perf_counter() - t - counter.precompute_s
+            stats.seconds["precompute"] = counter.precompute_s
+            stats.store_hits, stats.store_misses = counter.hits, counter.misses
+            n = len(self.prompt.all_ids)
+            budget = min(self.sampling.max_new_tokens, eng.context_length - n)
+            kv = KVCache(eng.decoder.shape, n + budget, eng.device)
+            t = time.perf_counter()
+            report: FusionReport = fused_prefill(eng.decoder, segments, kv, self.blend)
+            sampler = Sampler(self.sampling)
+            token = sampler(report.logits)
+            now = time.perf_counter()
+            stats.seconds["prefill"] = now - t
+            ttft = now - self.t0
+            stats.prompt_tokens = report.prompt_tokens
+            stats.reused_tokens = report.reused_tokens
+            stats.recomputed_tokens = report.recomputed_tokens
+            stats.computed_tokens = report.computed_tokens
+
+            text = TextStream(eng.tokenizer, self.sampling.stop)
+            tokens: list[int] = []
+            finish = "length"
+            t = time.perf_counter()
+            while True:
+                if token in eng.eos_ids:
+                    finish = "stop"
+                    break
+                tokens.append(token)
+                piece = text.push(token)
+                if piece:
+                    yield piece
+                if text.stopped:
+                    finish = "stop"
+                    break
+                if len(tokens) >= budget:
+                    break
+                token = sampler(decode_step(eng.decoder, kv, token))
+            tail = text.flush()
+            if tail:
+                yield tail
+            stats.seconds["decode"] = time.perf_counter() - t
+            stats.new_tokens = len(tokens)
+        self.result = Result(
+            text=text.text,
+            token_ids=tokens,
+            ttft_s=ttft,
+            stats=stats,
+            finish_reason=finish,
+            first_token_logits=report.logits,
+            hkvd_positions=report.hkvd_positions.tolist(),
+        )

@@ -1,0 +1,122 @@
+"""Layer-by-layer execution of a Llama-family transformer over HF weights.
+
+CacheBlend needs what ``model.forward`` does not offer: run one layer at a time, on an
+arbitrary subset of token positions (the HKVD tokens plus the question), read each
+layer's keys *before* RoPE (so caches are position-free) and write fresh K/V into a
+fused cache.  Rather than monkey-patching transformers' modules we call their
+sub-modules (projections, norms, MLP, rotary embedding) directly, so the weights,
+RoPE scaling variants and numerics are exactly transformers' own.
+
+Supported families share one layer shape: Llama, Mistral, Qwen2 (q/k/v bias lives in
+the ``nn.Linear``), Qwen3 (per-head ``q_norm``/``k_norm`` before RoPE).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` [heads, n, head_dim] to the positions whose ``cos``/``sin`` [n, hd] are given."""
+    return x * cos + rotate_half(x) * sin
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the fusor and the store need to know about a model's KV layout."""
+
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    sliding_window: int | None
+    dtype: torch.dtype
+
+
+class Decoder:
+    """Runs a transformers ``*ForCausalLM`` (Llama family) one layer at a time."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        cfg = hf_model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {cfg.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        inner = hf_model.model
+        self.hf_model = hf_model.eval()
+        self.embed_tokens = inner.embed_tokens
+        self.layers = inner.layers
+        self.final_norm = inner.norm
+        self.lm_head = hf_model.lm_head
+        self.rotary = inner.rotary_emb
+        attn0 = self.layers[0].self_attn
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        window = getattr(cfg, "sliding_window", None)
+        if cfg.model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+            window = None
+        self.shape = ModelShape(
+            model_type=cfg.model_type,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            max_positions=cfg.max_position_embeddings,
+            sliding_window=window,
+            dtype=self.embed_tokens.weight.dtype,
+        )
+        self.scaling: float = float(getattr(attn0, "scaling", head_dim**-0.5))
+        self.has_qk_norm = hasattr(attn0, "q_norm")
+
+    # -- positions -------------------------------------------------------------------
+    def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin [n, head_dim] for absolute ``positions``, via the model's own rotary module
+        (so every RoPE scaling type transformers implements applies unchanged)."""
+        probe = self.embed_tokens.weight[:1]
+        cos, sin = self.rotary(probe, positions[None, :])
+        return cos[0], sin[0]
+
+    # -- one layer, split where the fusor needs to step in ---------------------------
+    def embed(self, token_ids: Tensor) -> Tensor:
+        return self.embed_tokens(token_ids)
+
+    def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Query, key (pre-RoPE) and value of hidden states ``h`` [n, d] at ``layer``.
+
+        Shapes: q [H, n, hd], k [KVH, n, hd], v [KVH, n, hd].
+        """
+        blk = self.layers[layer]
+        attn = blk.self_attn
+        x = blk.input_layernorm(h)
+        n = x.shape[0]
+        s = self.shape
+        q = attn.q_proj(x).view(n, s.num_heads, s.head_dim)
+        k = attn.k_proj(x).view(n, s.num_kv_heads, s.head_dim)
+        v = attn.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
+        if self.has_qk_norm:
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def finish(self, layer: int, h: Tensor, attn_out: Tensor) -> Tensor:
+        """Output projection, residuals and MLP. ``attn_out`` is [H, n, hd]."""
+        blk = self.layers[layer]
+        n = h.shape[0]
+        o = blk.self_attn.o_proj(attn_out.transpose(0, 1).reshape(n, -1))
+        h = h + o
+        return h + blk.mlp(blk.post_attention_layernorm(h))
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.lm_head(self.final_norm(h)).float()

@@ -1,0 +1,76 @@
+"""Prompt assembly: ``[system prefix][chunk 1]…[chunk k][question suffix]`` as token ids.
+
+The model's chat template frames the user turn; we render it once around a sentinel and
+split there, so the system prefix (everything up to the user's content) is identical in
+every prompt and can be reused exactly, and the suffix (the question plus the end of the
+user turn and the assistant header) is always computed fresh.  Chunks are tokenized on
+their own, which is what makes their caches reusable at any position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_SENTINEL = "\u2063CACHEBLEND_CONTENT\u2063"
+
+
+@dataclass(frozen=True)
+class PromptIds:
+    prefix: list[int]
+    chunks: list[list[int]]
+    suffix: list[int]
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prefix + [t for c in self.chunks for t in c] + self.suffix
+
+
+class PromptBuilder:
+    """Tokenizes chunks, frames prompts with the chat template, picks the chunk sink."""
+
+    def __init__(self, tokenizer, chunk_separator: str = "\n\n", use_chat_template: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.chunk_separator = chunk_separator
+        self.use_chat_template = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def chunk_ids(self, text: str) -> list[int]:
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("a chunk must be a non-empty string")
+        return self.encode(text + self.chunk_separator)
+
+    def frame(self, system: str | None) -> tuple[str, str]:
+        """Text before and after the user's content."""
+        if self.use_chat_template:
+            messages = [{"role": "system", "content": system}] if system is not None else []
+            messages.append({"role": "user", "content": _SENTINEL})
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            before, after = text.split(_SENTINEL)
+            return before, after
+        bos = self.tokenizer.bos_token or ""
+        return bos + (f"{system}\n\n" if system else ""), "\n"
+
+    def build(self, query: str, chunks: list[list[int]], system: str | None, preamble: str = "") -> PromptIds:
+        before, after = self.frame(system)
+        return PromptIds(
+            prefix=self.encode(before + preamble),
+            chunks=chunks,
+            suffix=self.encode(query + after),
+        )
+
+    def sink_ids(self) -> list[int]:
+        """The token a chunk is precomputed behind (then dropped): without an attention
+        sink at position 0, the chunk's first tokens absorb attention mass and their K/V
+        are far from what they are inside a full prompt."""
+        tok = self.tokenizer
+        if tok.bos_token_id is not None:
+            return [tok.bos_token_id]
+        if self.use_chat_template:
+            first = self.encode(self.frame(None)[0])
+            if first:
+                return first[:1]
+        if tok.eos_token_id is not None:
+            return [tok.eos_token_id]
+        raise ValueError("tokenizer has neither BOS, a chat template nor EOS to use as a sink")

@@ -1,0 +1,67 @@
+"""In-process memory tier: least-recently-used eviction by bytes."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from .entry import ChunkKV
+
+
+class MemoryStore:
+    """A dict of ``key -> ChunkKV`` that never holds more than ``capacity_bytes``."""
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError("memory capacity must be positive")
+        self.capacity_bytes = capacity_bytes
+        self._items: OrderedDict[str, ChunkKV] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def get(self, key: str) -> ChunkKV | None:
+        with self._lock:
+            kv = self._items.get(key)
+            if kv is not None:
+                self._items.move_to_end(key)
+            return kv
+
+    def put(self, key: str, kv: ChunkKV) -> bool:
+        """Store ``kv``; returns False when it alone exceeds the capacity (not stored)."""
+        size = kv.nbytes
+        if self.capacity_bytes is not None and size > self.capacity_bytes:
+            return False
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            self._items[key] = kv
+            self._bytes += size
+            while self.capacity_bytes is not None and self._bytes > self.capacity_bytes:
+                _, evicted = self._items.popitem(last=False)
+                self._bytes -= evicted.nbytes
+                self.evictions += 1
+        return True
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            kv = self._items.pop(key, None)
+            if kv is not None:
+                self._bytes -= kv.nbytes
+            return kv is not None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0

@@ -1,0 +1,92 @@
+"""Shared fixtures: the real default model, and tiny random models of each family."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from cacheblend import Engine
+from cacheblend.models.loader import resolve_model_dir
+
+PASSAGES = [
+    "Marie Curie was a physicist and chemist who conducted pioneering research on radioactivity. "
+    "She was the first woman to win a Nobel Prize.",
+    "The Danube is Europe's second-longest river. It flows through Vienna, Budapest and Belgrade "
+    "before reaching the Black Sea.",
+    "Mount Kilimanjaro is a dormant volcano in Tanzania. Its summit, Uhuru Peak, is 5,895 metres high.",
+    "The violinist Ida Haendel was born in Chelm, Poland, and later lived in Miami, Florida.",
+]
+QUERY = "Where did Ida Haendel live later in life?"
+
+TINY_CONFIGS = {
+    "llama": dict(model_type="llama", rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                  "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 256}),
+    "llama-linear": dict(model_type="llama", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                         "factor": 2.0}),
+    "llama-yarn": dict(model_type="llama", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                       "factor": 4.0, "original_max_position_embeddings": 256}),
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "mistral-window": dict(model_type="mistral", sliding_window=24),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3"),
+}
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def default_engine(default_model_dir):
+    return Engine.load(default_model_dir)
+
+
+def make_tiny_model(folder, family: str, tokenizer_dir, dtype=torch.float32):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    spec = dict(TINY_CONFIGS[family])
+    model_type = spec.pop("model_type")
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        **spec,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if hasattr(model.config, "attention_bias") and model_type == "qwen2":
+        for layer in model.model.layers:  # qwen2 has q/k/v bias: make it non-zero
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.2)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session", params=list(TINY_CONFIGS))
+def tiny_engine(request, tmp_path_factory, default_model_dir):
+    folder = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param, default_model_dir)
+    engine = Engine.load(folder)
+    engine.family = request.param
+    return engine
