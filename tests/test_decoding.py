@@ -1,0 +1,66 @@
+"""Decoding from the fused cache: streaming, stop strings, EOS, sampling, chat template."""
+
+from __future__ import annotations
+
+import pytest
+
+from cacheblend.decode import TextStream
+
+from conftest import PASSAGES, QUERY
+
+pytestmark = pytest.mark.slow
+
+
+def test_stream_pieces_concatenate_to_generate_text(default_engine):
+    handles = default_engine.ingest(PASSAGES)
+    pieces = list(default_engine.stream(QUERY, handles, max_new_tokens=24))
+    result = default_engine.generate(QUERY, handles, max_new_tokens=24)
+    assert len(pieces) > 1
+    assert "".join(pieces) == result.text
+
+
+def test_stop_string_truncates(default_engine):
+    handles = default_engine.ingest(PASSAGES)
+    free = default_engine.generate(QUERY, handles, max_new_tokens=24)
+    words = free.text.split()
+    assert len(words) >= 3, free.text
+    stop = words[2]
+    stopped = default_engine.generate(QUERY, handles, max_new_tokens=24, stop=[stop])
+    assert stopped.finish_reason == "stop"
+    assert stop not in stopped.text
+    assert free.text.startswith(stopped.text)
+    streamed = "".join(default_engine.stream(QUERY, handles, max_new_tokens=24, stop=[stop]))
+    assert streamed == stopped.text
+
+
+def test_eos_ends_generation(default_engine):
+    r = default_engine.generate("Say hello.", max_new_tokens=64)
+    assert r.finish_reason == "stop"
+    assert r.token_ids and all(t not in default_engine.eos_ids for t in r.token_ids)
+
+
+def test_sampling_is_seeded_and_differs_from_greedy(default_engine):
+    handles = default_engine.ingest(PASSAGES)
+    a = default_engine.generate(QUERY, handles, temperature=1.2, top_p=0.95, seed=7, max_new_tokens=16)
+    b = default_engine.generate(QUERY, handles, temperature=1.2, top_p=0.95, seed=7, max_new_tokens=16)
+    assert a.token_ids == b.token_ids
+    outs = {tuple(default_engine.generate(QUERY, handles, temperature=1.5, seed=s, max_new_tokens=16).token_ids)
+            for s in range(4)}
+    assert len(outs) > 1
+
+
+def test_chat_template_frames_the_prompt(default_engine):
+    prompt = default_engine.prompts.build(QUERY, [], "You are terse.")
+    text = default_engine.tokenizer.decode(prompt.all_ids)
+    expected = default_engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": QUERY}],
+        tokenize=False, add_generation_prompt=True)
+    assert text == expected
+
+
+def test_text_stream_holds_back_partial_stop(default_engine):
+    tok = default_engine.tokenizer
+    ids = tok("Hello world. END here", add_special_tokens=False)["input_ids"]
+    s = TextStream(tok, stop=["END"])
+    out = "".join(s.push(i) for i in ids) + s.flush()
+    assert out == "Hello world. " and s.stopped

@@ -1,0 +1,69 @@
+"""Identities on the real default model (SmolLM2-135M-Instruct), float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheblend import Engine
+
+from conftest import PASSAGES, QUERY
+
+pytestmark = pytest.mark.slow
+GEN = dict(max_new_tokens=16)
+
+
+def test_full_equals_transformers_generate(default_engine):
+    handles = default_engine.ingest(PASSAGES)
+    full = default_engine.generate(QUERY, handles, method="full", **GEN)
+    ids = torch.tensor([default_engine.prompts.build(QUERY, [list(h.token_ids) for h in handles], None).all_ids])
+    with torch.inference_mode():
+        out = default_engine.decoder.hf_model.generate(ids, max_new_tokens=GEN["max_new_tokens"], do_sample=False)
+    ref = [t for t in out[0, ids.shape[1]:].tolist() if t not in default_engine.eos_ids]
+    assert full.token_ids == ref
+    assert full.text.strip()
+
+
+def test_blend_one_equals_full_and_zero_equals_reuse(default_engine):
+    handles = default_engine.ingest(PASSAGES)
+    full = default_engine.generate(QUERY, handles, method="full", **GEN)
+    b1 = default_engine.generate(QUERY, handles, method="blend", recompute_ratio=1.0, **GEN)
+    torch.testing.assert_close(b1.first_token_logits, full.first_token_logits, atol=1e-3, rtol=1e-3)
+    assert b1.token_ids == full.token_ids
+    reuse = default_engine.generate(QUERY, handles, method="reuse", **GEN)
+    b0 = default_engine.generate(QUERY, handles, method="blend", recompute_ratio=0.0, **GEN)
+    assert b0.token_ids == reuse.token_ids
+    assert torch.equal(b0.first_token_logits, reuse.first_token_logits)
+
+
+def test_prefix_one_chunk_equals_full(default_engine):
+    handles = default_engine.ingest(PASSAGES[:1])
+    full = default_engine.generate(QUERY, handles, method="full", **GEN)
+    prefix = default_engine.generate(QUERY, handles, method="prefix", **GEN)
+    assert prefix.token_ids == full.token_ids
+    torch.testing.assert_close(prefix.first_token_logits, full.first_token_logits, atol=1e-3, rtol=1e-3)
+
+
+def test_blend_is_closer_to_full_than_reuse(default_engine):
+    handles = default_engine.ingest(PASSAGES)
+    full = default_engine.generate(QUERY, handles, method="full", max_new_tokens=1)
+    p = torch.log_softmax(full.first_token_logits, -1)
+
+    def kl(r):
+        return float((p.exp() * (p - torch.log_softmax(r.first_token_logits, -1))).sum())
+
+    reuse = default_engine.generate(QUERY, handles, method="reuse", max_new_tokens=1)
+    blend = default_engine.generate(QUERY, handles, method="blend", recompute_ratio=0.3, max_new_tokens=1)
+    assert kl(blend) < kl(reuse)
+    assert blend.stats.store_hits == len(handles) + 1  # every chunk and the system prefix
+
+
+def test_bfloat16(default_model_dir):
+    engine = Engine.load(default_model_dir, dtype="bfloat16")
+    handles = engine.ingest(PASSAGES[:2])
+    assert engine.store.get(handles[0].key).k.dtype == torch.bfloat16
+    full = engine.generate(QUERY, handles, method="full", max_new_tokens=8)
+    b1 = engine.generate(QUERY, handles, method="blend", recompute_ratio=1.0, max_new_tokens=8)
+    torch.testing.assert_close(b1.first_token_logits, full.first_token_logits, atol=0.1, rtol=0.05)
+    assert b1.token_ids[:1] == full.token_ids[:1]
+    assert engine.fingerprint != Engine.load(default_model_dir).fingerprint

@@ -1,0 +1,80 @@
+"""Bad input raises a clear error that names the problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from cacheblend import CacheBlendError, ChunkHandle, UnknownChunkError
+
+from conftest import PASSAGES, QUERY
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, default_model_dir):
+    from cacheblend import Engine
+    from conftest import make_tiny_model
+
+    return Engine.load(make_tiny_model(tmp_path_factory.mktemp("errs"), "llama", default_model_dir))
+
+
+@pytest.mark.parametrize("query", ["", "   ", None])
+def test_no_query(engine, query):
+    with pytest.raises(CacheBlendError, match="query"):
+        engine.generate(query, PASSAGES[:1])
+
+
+def test_empty_chunk_text(engine):
+    with pytest.raises(ValueError, match="chunk must be a non-empty string"):
+        engine.ingest([""])
+    with pytest.raises(ValueError, match="chunk must be a non-empty string"):
+        engine.generate(QUERY, ["  "])
+
+
+def test_prompt_longer_than_context(engine):
+    long = "word " * (engine.context_length + 10)
+    with pytest.raises(CacheBlendError, match="context"):
+        engine.generate(QUERY, [long], method="full")
+
+
+def test_unknown_handle(engine):
+    with pytest.raises(UnknownChunkError, match="unknown chunk handle"):
+        engine.generate(QUERY, [ChunkHandle(key="0" * 64, num_tokens=3)])
+
+
+def test_handle_from_another_model(engine):
+    h = engine.ingest(PASSAGES[:1])[0]
+    foreign = ChunkHandle(h.key, h.num_tokens, h.token_ids, model_fingerprint="someone-else")
+    with pytest.raises(UnknownChunkError, match="another model"):
+        engine.generate(QUERY, [foreign])
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.01, 2])
+def test_ratio_out_of_range(engine, ratio):
+    with pytest.raises(CacheBlendError, match=r"recompute_ratio must be within \[0, 1\]"):
+        engine.generate(QUERY, PASSAGES[:1], recompute_ratio=ratio)
+
+
+def test_bad_method_and_options(engine):
+    with pytest.raises(CacheBlendError, match="method"):
+        engine.generate(QUERY, method="magic")
+    with pytest.raises(CacheBlendError, match="check_layers"):
+        engine.generate(QUERY, PASSAGES[:1], check_layers=(99,))
+    with pytest.raises(CacheBlendError, match="deviation"):
+        engine.generate(QUERY, PASSAGES[:1], deviation="q")
+    with pytest.raises(CacheBlendError, match="max_new_tokens"):
+        engine.generate(QUERY, max_new_tokens=0)
+    with pytest.raises(CacheBlendError, match="top_p"):
+        engine.generate(QUERY, temperature=1.0, top_p=0.0)
+
+
+def test_stream_validates_before_first_piece(engine):
+    with pytest.raises(CacheBlendError):
+        engine.stream("", PASSAGES[:1])
+
+
+def test_evicted_chunk_is_recomputed_not_failed(engine):
+    h = engine.ingest(PASSAGES[:1])[0]
+    engine.store.delete(h.key)
+    r = engine.generate(QUERY, [h], max_new_tokens=2)
+    assert r.stats.store_misses >= 1
+    assert engine.store.get(h.key) is not None
