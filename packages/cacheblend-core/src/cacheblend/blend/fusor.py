@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..models.decoder import Decoder, ModelShape, apply_rope
 from ..store.entry import ChunkKV
-from .attention import positional_attention
+from .attention import AttentionPlan
 from .selection import BlendConfig, kv_deviation, select_hkvd
 
 # capture(layer, positions, keys_before_rope, values): used by chunk precompute.
@@ -125,27 +125,27 @@ def fused_prefill(
     checks = {layer: i for i, layer in enumerate(config.check_layers)}
     active_per_layer: list[int] = []
 
+    groups = shape.num_heads // shape.num_kv_heads
+    plan = AttentionPlan(active, shape.dtype, shape.sliding_window, groups)
     for layer in range(shape.num_layers):
         for a, b, seg in reused_spans:  # re-positioning: RoPE at the real offsets
             assert seg.cached is not None
             kv.k[layer, :, a:b] = apply_rope(seg.cached.k[layer], cos[a:b], sin[a:b])
             kv.v[layer, :, a:b] = seg.cached.v[layer]
-        q, k, v = dec.qkv(layer, h)
+        x = dec.attn_input(layer, h)
+        k, v = dec.keys_values(layer, x)
         if capture is not None:
             capture(layer, active, k, v)
-        kv.k[layer][:, active] = apply_rope(k, cos[active], sin[active])
-        kv.v[layer][:, active] = v
+        _write(kv, layer, active, apply_rope(k, cos[active], sin[active]), v)
 
         if layer in checks and 0.0 < ratio < 1.0:
             keep = _check(config, checks[layer], layer, active, candidate, row_of, approx, k, v, n_candidates)
-            if keep is not None:
-                active, h, q = active[keep], h[keep], q[:, keep]
+            if keep is not None:  # HKVD tokens (and uncached ones) go on; the rest keep fresh K/V here
+                active, h, x = active[keep], h[keep], x[keep]
+                plan = AttentionPlan(active, shape.dtype, shape.sliding_window, groups)
         active_per_layer.append(active.numel())
-        q = apply_rope(q, cos[active], sin[active])
-        out = positional_attention(
-            q, kv.k[layer, :, :n], kv.v[layer, :, :n], active, dec.scaling, shape.sliding_window
-        )
-        h = dec.finish(layer, h, out)
+        q = apply_rope(dec.queries(layer, x), cos[active], sin[active])
+        h = dec.finish(layer, h, plan(q, kv.k[layer, :, :n], kv.v[layer, :, :n], dec.scaling))
 
     kv.length = n
     hkvd = active[candidate[active]]
@@ -159,6 +159,16 @@ def fused_prefill(
         hkvd_positions=hkvd,
         active_per_layer=active_per_layer,
     )
+
+
+def _write(kv: KVCache, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
+    first, count = int(positions[0]), positions.numel()
+    if int(positions[-1]) - first + 1 == count:  # contiguous: a plain slice copy
+        kv.k[layer, :, first : first + count] = k
+        kv.v[layer, :, first : first + count] = v
+    else:
+        kv.k[layer][:, positions] = k
+        kv.v[layer][:, positions] = v
 
 
 def _check(
@@ -196,18 +206,14 @@ def decode_step(dec: Decoder, kv: KVCache, token_id: int) -> Tensor:
     positions = torch.tensor([pos], device=device)
     cos, sin = dec.rope_tables(positions)
     h = dec.embed(torch.tensor([token_id], device=device))
+    plan = AttentionPlan(
+        positions, dec.shape.dtype, dec.shape.sliding_window, dec.shape.num_heads // dec.shape.num_kv_heads
+    )
     for layer in range(dec.shape.num_layers):
         q, k, v = dec.qkv(layer, h)
         kv.k[layer, :, pos : pos + 1] = apply_rope(k, cos, sin)
         kv.v[layer, :, pos : pos + 1] = v
-        out = positional_attention(
-            apply_rope(q, cos, sin),
-            kv.k[layer, :, : pos + 1],
-            kv.v[layer, :, : pos + 1],
-            positions,
-            dec.scaling,
-            dec.shape.sliding_window,
-        )
+        out = plan(apply_rope(q, cos, sin), kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
         h = dec.finish(layer, h, out)
     kv.length = pos + 1
     return dec.logits(h)[0]

@@ -92,23 +92,31 @@ class Decoder:
     def embed(self, token_ids: Tensor) -> Tensor:
         return self.embed_tokens(token_ids)
 
-    def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Query, key (pre-RoPE) and value of hidden states ``h`` [n, d] at ``layer``.
+    def attn_input(self, layer: int, h: Tensor) -> Tensor:
+        return self.layers[layer].input_layernorm(h)
 
-        Shapes: q [H, n, hd], k [KVH, n, hd], v [KVH, n, hd].
-        """
-        blk = self.layers[layer]
-        attn = blk.self_attn
-        x = blk.input_layernorm(h)
-        n = x.shape[0]
-        s = self.shape
-        q = attn.q_proj(x).view(n, s.num_heads, s.head_dim)
+    def queries(self, layer: int, x: Tensor) -> Tensor:
+        """Queries [H, n, hd] (before RoPE) of normalized hidden states ``x`` [n, d]."""
+        attn = self.layers[layer].self_attn
+        q = attn.q_proj(x).view(x.shape[0], self.shape.num_heads, self.shape.head_dim)
+        if self.has_qk_norm:
+            q = attn.q_norm(q)
+        return q.transpose(0, 1)
+
+    def keys_values(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (before RoPE) and values, each [KVH, n, hd]."""
+        attn = self.layers[layer].self_attn
+        n, s = x.shape[0], self.shape
         k = attn.k_proj(x).view(n, s.num_kv_heads, s.head_dim)
         v = attn.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
         if self.has_qk_norm:
-            q = attn.q_norm(q)
             k = attn.k_norm(k)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Query, key (pre-RoPE) and value of hidden states ``h`` [n, d] at ``layer``."""
+        x = self.attn_input(layer, h)
+        return (self.queries(layer, x), *self.keys_values(layer, x))
 
     def finish(self, layer: int, h: Tensor, attn_out: Tensor) -> Tensor:
         """Output projection, residuals and MLP. ``attn_out`` is [H, n, hd]."""
