@@ -47,7 +47,7 @@ def default_model_dir():
 
 @pytest.fixture(scope="session")
 def default_engine(default_model_dir):
-    return Engine.load(default_model_dir)
+    return Engine.load(default_model_dir, store="memory")
 
 
 def make_tiny_model(folder, family: str, tokenizer_dir, dtype=torch.float32):
@@ -87,6 +87,6 @@ def make_tiny_model(folder, family: str, tokenizer_dir, dtype=torch.float32):
 @pytest.fixture(scope="session", params=list(TINY_CONFIGS))
 def tiny_engine(request, tmp_path_factory, default_model_dir):
     folder = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param, default_model_dir)
-    engine = Engine.load(folder)
+    engine = Engine.load(folder, store="memory")
     engine.family = request.param
     return engine

@@ -59,11 +59,11 @@ def test_blend_is_closer_to_full_than_reuse(default_engine):
 
 
 def test_bfloat16(default_model_dir):
-    engine = Engine.load(default_model_dir, dtype="bfloat16")
+    engine = Engine.load(default_model_dir, dtype="bfloat16", store="memory")
     handles = engine.ingest(PASSAGES[:2])
     assert engine.store.get(handles[0].key).k.dtype == torch.bfloat16
     full = engine.generate(QUERY, handles, method="full", max_new_tokens=8)
     b1 = engine.generate(QUERY, handles, method="blend", recompute_ratio=1.0, max_new_tokens=8)
     torch.testing.assert_close(b1.first_token_logits, full.first_token_logits, atol=0.1, rtol=0.05)
     assert b1.token_ids[:1] == full.token_ids[:1]
-    assert engine.fingerprint != Engine.load(default_model_dir).fingerprint
+    assert engine.fingerprint != Engine.load(default_model_dir, store="memory").fingerprint

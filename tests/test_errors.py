@@ -14,7 +14,7 @@ def engine(tmp_path_factory, default_model_dir):
     from cacheblend import Engine
     from conftest import make_tiny_model
 
-    return Engine.load(make_tiny_model(tmp_path_factory.mktemp("errs"), "llama", default_model_dir))
+    return Engine.load(make_tiny_model(tmp_path_factory.mktemp("errs"), "llama", default_model_dir), store="memory")
 
 
 @pytest.mark.parametrize("query", ["", "   ", None])

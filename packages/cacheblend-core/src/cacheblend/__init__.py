@@ -3,8 +3,17 @@
 
 from .blend.selection import BlendConfig
 from .decode import SamplingConfig
-from .engine import METHODS, BlendStats, CacheBlendError, ChunkHandle, Engine, Result, UnknownChunkError
-from .store import ChunkKV, MemoryStore
+from .engine import (
+    METHODS,
+    BlendStats,
+    CacheBlendError,
+    ChunkHandle,
+    Engine,
+    Generation,
+    Result,
+    UnknownChunkError,
+)
+from .store import ChunkKV, DiskStore, MemoryStore, TieredStore
 
 __all__ = [
     "METHODS",
@@ -14,7 +23,10 @@ __all__ = [
     "ChunkHandle",
     "ChunkKV",
     "Engine",
+    "Generation",
+    "DiskStore",
     "MemoryStore",
+    "TieredStore",
     "Result",
     "SamplingConfig",
     "UnknownChunkError",

@@ -15,7 +15,7 @@ from .decode import Sampler, SamplingConfig, TextStream
 from .models.decoder import Decoder
 from .models.loader import load_model
 from .prompt import PromptBuilder, PromptIds
-from .store import ChunkKV, MemoryStore, chunk_key, open_store
+from .store import ChunkKV, Tier, chunk_key, open_store
 
 METHODS = ("full", "prefix", "reuse", "blend")
 
@@ -78,7 +78,7 @@ class Engine:
     >>> engine.generate("What is the capital of France?", chunks=handles).text
     """
 
-    def __init__(self, loaded, store: MemoryStore, device: str = "cpu") -> None:
+    def __init__(self, loaded, store: Tier, device: str = "cpu", chunk_sink: str = "bos") -> None:
         self.model_dir = loaded.folder
         self.model_name = loaded.name
         self.fingerprint: str = loaded.fingerprint
@@ -87,7 +87,7 @@ class Engine:
         self.store = store
         self.device = torch.device(device)
         self.prompts = PromptBuilder(self.tokenizer)
-        self._sink = self.prompts.sink_ids()
+        self._sink = self.prompts.sink_ids(chunk_sink)
         self.chunk_policy = "chunk:sink=" + ",".join(map(str, self._sink))
         eos = self.tokenizer.eos_token_id
         gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
@@ -98,14 +98,16 @@ class Engine:
         cls,
         model: str | os.PathLike | None = None,
         *,
-        store: str | MemoryStore | None = None,
+        store: str | Tier | None = None,
         device: str = "cpu",
         dtype: torch.dtype | str | None = None,
+        chunk_sink: str = "bos",
     ) -> Engine:
         """Load ``model`` (None: the default SmolLM2-135M-Instruct; or an HF folder or
-        ``.gguf`` file) with a KV ``store`` (spec string or store object)."""
+        ``.gguf`` file) with a KV ``store`` (spec string or store object).
+        ``chunk_sink`` is the precompute policy, see :meth:`PromptBuilder.sink_ids`."""
         loaded = load_model(model, device=device, dtype=dtype)
-        return cls(loaded, open_store(store), device=device)
+        return cls(loaded, open_store(store), device=device, chunk_sink=chunk_sink)
 
     @property
     def context_length(self) -> int:
@@ -184,7 +186,7 @@ class Engine:
     def generate(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options) -> Result:
         """Answer ``query`` over ``chunks`` (handles or raw texts) with ``method``:
         ``"full"``, ``"prefix"``, ``"reuse"`` or ``"blend"`` (see :meth:`stream` for options)."""
-        run = self._run(query, chunks, **options)
+        run = self.start(query, chunks, **options)
         for _ in run.pieces:
             pass
         assert run.result is not None
@@ -197,9 +199,9 @@ class Engine:
         ``preamble`` (text before the chunks in the user turn), ``method``,
         ``recompute_ratio``, ``check_layers``, ``deviation``, ``gradual``,
         ``max_new_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``."""
-        return self._run(query, chunks, **options).pieces  # validates now, runs lazily
+        return self.start(query, chunks, **options).pieces
 
-    def _run(
+    def start(
         self,
         query: str,
         chunks: Sequence[ChunkHandle | str] = (),
@@ -216,7 +218,9 @@ class Engine:
         top_p: float = 1.0,
         stop: Sequence[str] | str = (),
         seed: int | None = None,
-    ) -> _Run:
+    ) -> Generation:
+        """Validate a request now and return its :class:`Generation`, which runs lazily:
+        iterate ``.pieces`` for text, then read ``.result`` (stats, TTFT)."""
         t0 = time.perf_counter()
         if not isinstance(query, str) or not query.strip():
             raise CacheBlendError("query must be a non-empty string")
@@ -246,7 +250,7 @@ class Engine:
             )
         stats = BlendStats(method=method, recompute_ratio=blend.recompute_ratio)
         stats.seconds["tokenize"] = time.perf_counter() - t0
-        return _Run(self, prompt, handles, method, blend, sampling, stats, t0)
+        return Generation(self, prompt, handles, method, blend, sampling, stats, t0)
 
     def _resolve(self, chunk: ChunkHandle | str) -> ChunkHandle:
         if isinstance(chunk, str):
@@ -281,8 +285,9 @@ class _Counter:
     precompute_s: float = 0.0
 
 
-class _Run:
-    """One request: fused prefill, then decode, yielding text pieces; ``result`` at the end."""
+class Generation:
+    """One request: fused prefill, then decode, yielding text pieces; ``result`` once the
+    pieces are exhausted."""
 
     def __init__(self, engine: Engine, prompt: PromptIds, handles, method, blend, sampling, stats, t0) -> None:
         self.engine, self.prompt, self.handles = engine, prompt, handles

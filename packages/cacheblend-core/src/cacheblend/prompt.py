@@ -60,10 +60,18 @@ class PromptBuilder:
             suffix=self.encode(query + after),
         )
 
-    def sink_ids(self) -> list[int]:
-        """The token a chunk is precomputed behind (then dropped): without an attention
-        sink at position 0, the chunk's first tokens absorb attention mass and their K/V
-        are far from what they are inside a full prompt."""
+    def sink_ids(self, policy: str = "bos") -> list[int]:
+        """The tokens a chunk is precomputed behind (their K/V then dropped).
+
+        Without an attention sink at position 0 the chunk's first tokens absorb the
+        attention mass and their K/V are far from what they are inside a full prompt.
+        ``"bos"``: the BOS token (else the chat template's first token, else EOS).
+        ``"frame"``: the whole default chat frame up to the user's content, so a chunk
+        is precomputed in the context it usually follows."""
+        if policy == "frame" and self.use_chat_template:
+            return self.encode(self.frame(None)[0])
+        if policy not in ("bos", "frame"):
+            raise ValueError(f"chunk sink policy must be 'bos' or 'frame', got {policy!r}")
         tok = self.tokenizer
         if tok.bos_token_id is not None:
             return [tok.bos_token_id]

@@ -1,26 +1,48 @@
-"""KV store tiers. Issue 2 ships the memory tier; slower tiers plug in behind the same
-``get``/``put``/``delete`` interface."""
+"""KV store: tiers behind one ``get``/``put``/``delete`` interface.
 
+Spec strings (``Engine.load(store=...)``): ``"memory"``, ``"memory:2GB"``,
+``"disk:PATH"``, or several joined by commas, fastest first.  ``None`` means memory plus
+a disk tier under the cache dir.
+"""
+
+from __future__ import annotations
+
+from .disk import DiskStore
 from .entry import ChunkKV
 from .keys import chunk_key
 from .memory import MemoryStore
+from .tiered import Tier, TieredStore
 
-__all__ = ["ChunkKV", "MemoryStore", "chunk_key", "open_store"]
+__all__ = ["ChunkKV", "DiskStore", "MemoryStore", "Tier", "TieredStore", "chunk_key", "open_store", "parse_size"]
 
 
-def open_store(spec: "str | MemoryStore | None") -> MemoryStore:
-    """Build a store from a spec: ``None``/``"memory"``/``"memory:2GB"`` or a store object."""
+def open_store(spec: str | Tier | None) -> Tier:
+    """Build a store from a spec string, or pass a store object through."""
     if spec is None:
-        return MemoryStore()
+        from ..models.loader import cache_home
+
+        spec = f"memory,disk:{cache_home() / 'kv'}"
     if not isinstance(spec, str):
         return spec
+    tiers = [_tier(part.strip()) for part in spec.split(",") if part.strip()]
+    if not tiers:
+        raise ValueError(f"empty store spec {spec!r}")
+    return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
+
+
+def _tier(spec: str) -> Tier:
     kind, _, arg = spec.partition(":")
     if kind == "memory":
         return MemoryStore(parse_size(arg) if arg else None)
-    raise ValueError(f"unknown store spec {spec!r}; this build supports 'memory' and 'memory:SIZE'")
+    if kind == "disk":
+        if not arg:
+            raise ValueError("disk tier needs a path: 'disk:PATH'")
+        return DiskStore(arg)
+    raise ValueError(f"unknown store tier {spec!r}; known: 'memory[:SIZE]', 'disk:PATH'")
 
 
 def parse_size(text: str) -> int:
+    """'512MB', '2GB', '1GiB' → bytes."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
     t = text.strip().upper()

@@ -1,0 +1,57 @@
+"""The command line and the README's demo, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PASSAGES, make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "cacheblend.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=600)
+
+
+def test_ingest_then_ask_reuses_stored_chunks(tmp_path, default_model_dir):
+    model = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    files = []
+    for i, text in enumerate(PASSAGES):
+        files.append(tmp_path / f"p{i}.txt")
+        files[-1].write_text(text)
+    store = f"memory,disk:{tmp_path / 'kv'}"
+    out = _cli("ingest", *map(str, files), "--model", str(model), "--store", store)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(lines) == len(PASSAGES) and all(line["tokens"] > 0 for line in lines)
+
+    ask = _cli("ask", "Where did Ida Haendel live?", "--chunks", *map(str, files), "--model", str(model),
+               "--store", store, "--max-new-tokens", "5", "--method", "blend")
+    assert ask.returncode == 0, ask.stderr
+    stats = json.loads(ask.stderr.strip().splitlines()[-1])
+    assert stats["store_misses"] == 1  # only the system prefix: every chunk came from disk
+    assert stats["store_hits"] == len(PASSAGES)
+
+
+def test_ask_rejects_bad_ratio(tmp_path, default_model_dir):
+    model = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    out = _cli("ask", "q?", "--model", str(model), "--store", "memory", "--ratio", "1.5")
+    assert out.returncode != 0
+    assert "recompute_ratio must be within [0, 1]" in out.stderr
+
+
+@pytest.mark.slow
+def test_demo_prints_answers_and_ttft(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py")], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "[ full] TTFT" in out.stdout and "[blend] TTFT" in out.stdout
+    assert out.stdout.count("answer:") == 2
+    assert "lower than full prefill" in out.stdout

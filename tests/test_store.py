@@ -1,0 +1,115 @@
+"""KV store tiers on real files: round trip, per-layer reads, corruption never served."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from cacheblend import Engine
+from cacheblend.store import ChunkKV, DiskStore, MemoryStore, TieredStore, open_store, parse_size
+
+from conftest import PASSAGES, QUERY
+
+KEY_A, KEY_B = "ab" + "0" * 62, "cd" + "1" * 62
+
+
+def _kv(layers=3, tokens=5, seed=0) -> ChunkKV:
+    g = torch.Generator().manual_seed(seed)
+    return ChunkKV(torch.randn(layers, 2, tokens, 4, generator=g), torch.randn(layers, 2, tokens, 4, generator=g))
+
+
+def test_disk_round_trip_and_per_layer_read(tmp_path):
+    store = DiskStore(tmp_path)
+    kv = _kv()
+    assert store.put(KEY_A, kv)
+    got = store.get(KEY_A)
+    assert torch.equal(got.k, kv.k) and torch.equal(got.v, kv.v)
+    with safe_open(store.path(KEY_A), framework="pt") as f:  # one layer without the rest
+        torch.testing.assert_close(f.get_tensor("v.2"), kv.v[2])
+        assert f.metadata()["format"] == "cacheblend-kv"
+    assert not list(tmp_path.rglob(".tmp-*"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "overwrite", "empty"])
+def test_damaged_entries_are_detected_and_dropped(tmp_path, damage):
+    store = DiskStore(tmp_path)
+    store.put(KEY_A, _kv())
+    path = store.path(KEY_A)
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-7] ^= 0xFF
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "overwrite":
+        data[len(data) // 2 : len(data) // 2 + 16] = b"\0" * 16
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    assert store.get(KEY_A) is None
+    assert store.corrupt == 1
+    assert not path.exists()
+
+
+def test_entry_under_another_name_is_not_served(tmp_path):
+    store = DiskStore(tmp_path)
+    store.put(KEY_A, _kv())
+    store.path(KEY_B).parent.mkdir(parents=True, exist_ok=True)
+    store.path(KEY_B).write_bytes(store.path(KEY_A).read_bytes())
+    assert store.get(KEY_B) is None and store.corrupt == 1
+    assert store.get(KEY_A) is not None
+
+
+def test_memory_lru_respects_capacity():
+    kv = _kv()
+    store = MemoryStore(capacity_bytes=kv.nbytes * 2)
+    for i in range(5):
+        store.put(f"{i:064x}", _kv(seed=i))
+        assert store.nbytes <= kv.nbytes * 2
+    assert len(store) == 2 and store.evictions == 3
+    assert store.get(f"{4:064x}") is not None and store.get(f"{0:064x}") is None
+
+
+def test_tiered_promotes_hits(tmp_path):
+    mem, disk = MemoryStore(), DiskStore(tmp_path)
+    disk.put(KEY_A, _kv())
+    store = TieredStore([mem, disk])
+    assert store.get(KEY_A) is not None
+    assert mem.get(KEY_A) is not None and store.stats.hits == [0, 1]
+
+
+def test_store_specs(tmp_path):
+    assert isinstance(open_store("memory"), MemoryStore)
+    assert open_store("memory:2KB").capacity_bytes == 2000
+    tiered = open_store(f"memory,disk:{tmp_path}")
+    assert isinstance(tiered, TieredStore) and isinstance(tiered.tiers[1], DiskStore)
+    assert parse_size("1GiB") == 2**30
+    with pytest.raises(ValueError, match="unknown store tier"):
+        open_store("tape:/dev/st0")
+    with pytest.raises(ValueError, match="cannot read size"):
+        open_store("memory:lots")
+
+
+def test_engine_reuses_disk_entries_across_restarts_and_recomputes_corrupt(tmp_path, default_model_dir):
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", "qwen2", default_model_dir)
+    spec = f"memory,disk:{tmp_path / 'kv'}"
+    first = Engine.load(folder, store=spec)
+    handles = first.ingest(PASSAGES)
+    want = first.generate(QUERY, handles, max_new_tokens=4)
+
+    second = Engine.load(folder, store=spec)  # a new process would see the same
+    again = second.generate(QUERY, handles, max_new_tokens=4)
+    assert again.stats.store_misses == 0 and again.stats.seconds["precompute"] == 0.0
+    assert again.token_ids == want.token_ids
+
+    third = Engine.load(folder, store=spec)
+    path = third.store.tiers[1].path(handles[1].key)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x55
+    path.write_bytes(bytes(data))
+    healed = third.generate(QUERY, handles, max_new_tokens=4)
+    assert healed.stats.store_misses == 1 and third.store.tiers[1].corrupt == 1
+    assert healed.token_ids == want.token_ids
+    assert third.store.tiers[1].get(handles[1].key) is not None  # replaced
