@@ -33,9 +33,12 @@ TINY_CONFIGS = {
                          "factor": 2.0}),
     "llama-yarn": dict(model_type="llama", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
                        "factor": 4.0, "original_max_position_embeddings": 256}),
+    "llama-dynamic": dict(model_type="llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                          "factor": 2.0, "original_max_position_embeddings": 64}),
     "mistral": dict(model_type="mistral", sliding_window=None),
     "mistral-window": dict(model_type="mistral", sliding_window=24),
     "qwen2": dict(model_type="qwen2"),
+    "qwen2-window": dict(model_type="qwen2", use_sliding_window=True, sliding_window=24, max_window_layers=2),
     "qwen3": dict(model_type="qwen3"),
 }
 

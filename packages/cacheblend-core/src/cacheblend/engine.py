@@ -13,7 +13,7 @@ from .blend.fusor import FusionReport, KVCache, Segment, decode_step, fused_pref
 from .blend.selection import BlendConfig
 from .decode import Sampler, SamplingConfig, TextStream
 from .models.decoder import Decoder
-from .models.loader import load_model
+from .models.loader import LoadedModel, load_model
 from .prompt import PromptBuilder, PromptIds
 from .store import ChunkKV, Tier, chunk_key, open_store
 
@@ -78,7 +78,7 @@ class Engine:
     >>> engine.generate("What is the capital of France?", chunks=handles).text
     """
 
-    def __init__(self, loaded, store: Tier, device: str = "cpu", chunk_sink: str = "bos") -> None:
+    def __init__(self, loaded: LoadedModel, store: Tier, device: str = "cpu", chunk_sink: str = "bos") -> None:
         self.model_dir = loaded.folder
         self.model_name = loaded.name
         self.fingerprint: str = loaded.fingerprint
@@ -183,22 +183,31 @@ class Engine:
         return kv
 
     # -- answering -------------------------------------------------------------------
-    def generate(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options) -> Result:
-        """Answer ``query`` over ``chunks`` (handles or raw texts) with ``method``:
-        ``"full"``, ``"prefix"``, ``"reuse"`` or ``"blend"`` (see :meth:`stream` for options)."""
-        run = self.start(query, chunks, **options)
+    def generate(
+        self,
+        query: str,
+        chunks: Sequence[ChunkHandle | str] = (),
+        *,
+        system: str | None = None,
+        method: str = "blend",
+        recompute_ratio: float = 0.15,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        **options,
+    ) -> Result:
+        """Answer ``query`` over ``chunks`` (handles or raw texts, in prompt order) with
+        ``method``: ``"full"``, ``"prefix"``, ``"reuse"`` or ``"blend"``.  Further options
+        are those of :meth:`start`."""
+        run = self.start(query, chunks, system=system, method=method, recompute_ratio=recompute_ratio,
+                         max_new_tokens=max_new_tokens, temperature=temperature, **options)
         for _ in run.pieces:
             pass
         assert run.result is not None
         return run.result
 
     def stream(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options) -> Iterator[str]:
-        """Yield the answer's text pieces as they are decoded.
-
-        Options: ``system`` (system message; None keeps the template's default),
-        ``preamble`` (text before the chunks in the user turn), ``method``,
-        ``recompute_ratio``, ``check_layers``, ``deviation``, ``gradual``,
-        ``max_new_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``."""
+        """Yield the answer's text pieces as they are decoded (options as :meth:`start`);
+        bad input raises here, before the first piece."""
         return self.start(query, chunks, **options).pieces
 
     def start(
@@ -220,7 +229,13 @@ class Engine:
         seed: int | None = None,
     ) -> Generation:
         """Validate a request now and return its :class:`Generation`, which runs lazily:
-        iterate ``.pieces`` for text, then read ``.result`` (stats, TTFT)."""
+        iterate ``.pieces`` for text, then read ``.result`` (stats, TTFT).
+
+        ``system``: system message (None keeps the chat template's default);
+        ``preamble``: text before the chunks in the user turn; ``method``;
+        ``recompute_ratio``, ``check_layers``, ``deviation`` (``"v"``, ``"k"``, ``"kv"``),
+        ``gradual``: the HKVD selection (see :class:`BlendConfig`); ``max_new_tokens``,
+        ``temperature``, ``top_p``, ``stop``, ``seed``: decoding."""
         t0 = time.perf_counter()
         if not isinstance(query, str) or not query.strip():
             raise CacheBlendError("query must be a non-empty string")

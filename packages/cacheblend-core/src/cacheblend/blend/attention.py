@@ -95,3 +95,17 @@ def positional_attention(
 ) -> Tensor:
     """One-off form of :class:`AttentionPlan`."""
     return AttentionPlan(q_pos, q.dtype, window, q.shape[0] // k.shape[0])(q, k, v, scale)
+
+
+class AttentionPlans:
+    """One :class:`AttentionPlan` per distinct sliding window, built on first use."""
+
+    def __init__(self, q_pos: Tensor, dtype: torch.dtype, groups: int) -> None:
+        self.q_pos, self.dtype, self.groups = q_pos, dtype, groups
+        self._plans: dict[int | None, AttentionPlan] = {}
+
+    def __getitem__(self, window: int | None) -> AttentionPlan:
+        plan = self._plans.get(window)
+        if plan is None:
+            plan = self._plans[window] = AttentionPlan(self.q_pos, self.dtype, window, self.groups)
+        return plan

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..models.decoder import Decoder, ModelShape, apply_rope
 from ..store.entry import ChunkKV
-from .attention import AttentionPlan
+from .attention import AttentionPlans
 from .selection import BlendConfig, kv_deviation, select_hkvd
 
 # capture(layer, positions, keys_before_rope, values): used by chunk precompute.
@@ -125,8 +125,7 @@ def fused_prefill(
     checks = {layer: i for i, layer in enumerate(config.check_layers)}
     active_per_layer: list[int] = []
 
-    groups = shape.num_heads // shape.num_kv_heads
-    plan = AttentionPlan(active, shape.dtype, shape.sliding_window, groups)
+    plans = AttentionPlans(active, shape.dtype, shape.groups)
     for layer in range(shape.num_layers):
         for a, b, seg in reused_spans:  # re-positioning: RoPE at the real offsets
             assert seg.cached is not None
@@ -142,9 +141,10 @@ def fused_prefill(
             keep = _check(config, checks[layer], layer, active, candidate, row_of, approx, k, v, n_candidates)
             if keep is not None:  # HKVD tokens (and uncached ones) go on; the rest keep fresh K/V here
                 active, h, x = active[keep], h[keep], x[keep]
-                plan = AttentionPlan(active, shape.dtype, shape.sliding_window, groups)
+                plans = AttentionPlans(active, shape.dtype, shape.groups)
         active_per_layer.append(active.numel())
         q = apply_rope(dec.queries(layer, x), cos[active], sin[active])
+        plan = plans[shape.windows[layer]]
         h = dec.finish(layer, h, plan(q, kv.k[layer, :, :n], kv.v[layer, :, :n], dec.scaling))
 
     kv.length = n
@@ -206,13 +206,12 @@ def decode_step(dec: Decoder, kv: KVCache, token_id: int) -> Tensor:
     positions = torch.tensor([pos], device=device)
     cos, sin = dec.rope_tables(positions)
     h = dec.embed(torch.tensor([token_id], device=device))
-    plan = AttentionPlan(
-        positions, dec.shape.dtype, dec.shape.sliding_window, dec.shape.num_heads // dec.shape.num_kv_heads
-    )
+    plans = AttentionPlans(positions, dec.shape.dtype, dec.shape.groups)
     for layer in range(dec.shape.num_layers):
         q, k, v = dec.qkv(layer, h)
         kv.k[layer, :, pos : pos + 1] = apply_rope(k, cos, sin)
         kv.v[layer, :, pos : pos + 1] = v
+        plan = plans[dec.shape.windows[layer]]
         out = plan(apply_rope(q, cos, sin), kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
         h = dec.finish(layer, h, out)
     kv.length = pos + 1

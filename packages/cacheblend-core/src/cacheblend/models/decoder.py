@@ -41,8 +41,13 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     max_positions: int
-    sliding_window: int | None
+    windows: tuple[int | None, ...]  # per layer: sliding-window size, None for full attention
     dtype: torch.dtype
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
 
 
 class Decoder:
@@ -65,8 +70,8 @@ class Decoder:
         attn0 = self.layers[0].self_attn
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         window = getattr(cfg, "sliding_window", None)
-        if cfg.model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
-            window = None
+        layer_types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+        windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
         self.shape = ModelShape(
             model_type=cfg.model_type,
             num_layers=cfg.num_hidden_layers,
@@ -74,7 +79,7 @@ class Decoder:
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=head_dim,
             max_positions=cfg.max_position_embeddings,
-            sliding_window=window,
+            windows=windows,
             dtype=self.embed_tokens.weight.dtype,
         )
         self.scaling: float = float(getattr(attn0, "scaling", head_dim**-0.5))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -159,5 +160,5 @@ def load_model(
         "dtype": str(dtype),
     }
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
-    name = getattr(hf.config, "name_or_path", None) or folder.name
-    return LoadedModel(folder=folder, model=hf, tokenizer=tok, fingerprint=fingerprint, name=str(name))
+    name = re.sub(r"-[0-9a-f]{16}$", "", folder.name)  # converted folders end in a digest
+    return LoadedModel(folder=folder, model=hf, tokenizer=tok, fingerprint=fingerprint, name=name)
