@@ -157,27 +157,21 @@ class Engine:
         return ChunkKV(out_k, out_v)
 
     def _chunk_kv(self, handle: ChunkHandle, counter: _Counter) -> ChunkKV:
-        kv = self.store.get(handle.key)
-        if kv is not None and kv.num_tokens == handle.num_tokens:
-            counter.hits += 1
-            return kv
-        counter.misses += 1
-        t = time.perf_counter()
-        kv = self.precompute_chunk(handle.token_ids)
-        self.store.put(handle.key, kv)
-        counter.precompute_s += time.perf_counter() - t
-        return kv
+        return self._lookup(handle.key, handle.token_ids, self.precompute_chunk, counter)
 
     def _prefix_kv(self, ids: list[int], counter: _Counter) -> ChunkKV:
         """Exact K/V of a prompt prefix computed at position 0 (prefix caching)."""
-        key = chunk_key(self.fingerprint, ids, "prefix")
+        return self._lookup(chunk_key(self.fingerprint, ids, "prefix"), ids, self._prefill_kv, counter)
+
+    def _lookup(self, key: str, ids: Sequence[int], compute, counter: _Counter) -> ChunkKV:
+        """The stored cache for ``key``, else ``compute(ids)`` stored under it."""
         kv = self.store.get(key)
         if kv is not None and kv.num_tokens == len(ids):
             counter.hits += 1
             return kv
         counter.misses += 1
         t = time.perf_counter()
-        kv = self._prefill_kv(ids)
+        kv = compute(list(ids))
         self.store.put(key, kv)
         counter.precompute_s += time.perf_counter() - t
         return kv
