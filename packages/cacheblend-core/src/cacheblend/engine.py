@@ -15,9 +15,10 @@ from .decode import Sampler, SamplingConfig, TextStream
 from .models.decoder import Decoder
 from .models.loader import LoadedModel, load_model
 from .prompt import PromptBuilder, PromptIds
-from .store import ChunkKV, Tier, chunk_key, open_store
+from .store import ChunkKV, CorruptEntry, LayerSource, Tier, chunk_key, open_store
 
 METHODS = ("full", "prefix", "reuse", "blend")
+_ATTEMPTS = 3
 
 
 class CacheBlendError(ValueError):
@@ -52,6 +53,7 @@ class BlendStats:
     computed_tokens: int = 0
     store_hits: int = 0
     store_misses: int = 0
+    store_rejected: int = 0  # entries found but not trusted (corrupt, foreign): recomputed
     new_tokens: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -85,6 +87,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.decoder = Decoder(loaded.model)
         self.store = store
+        self.prefetch = True  # pipelined layer loading; off only to measure its effect
         self.device = torch.device(device)
         self.prompts = PromptBuilder(self.tokenizer)
         self._sink = self.prompts.sink_ids(chunk_sink)
@@ -136,8 +139,17 @@ class Engine:
     def precompute_chunk(self, ids: Sequence[int]) -> ChunkKV:
         """K (pre-RoPE) and V of ``ids`` run behind the sink token at position 0, with the
         sink's own K/V dropped (DESIGN.md, chunk precompute)."""
-        s = len(self._sink)
-        return self._prefill_kv(list(self._sink) + list(ids), keep_from=s)
+        kv = self._prefill_kv(list(self._sink) + list(ids), keep_from=len(self._sink))
+        return ChunkKV(kv.k, kv.v, self._meta(ids, self.chunk_policy))
+
+    def _prefix_cache(self, ids: Sequence[int]) -> ChunkKV:
+        kv = self._prefill_kv(list(ids))
+        return ChunkKV(kv.k, kv.v, self._meta(ids, "prefix"))
+
+    def _meta(self, ids: Sequence[int], policy: str) -> dict[str, str]:
+        """Who made a cache: stored in its header and checked when it is read."""
+        return {"model": self.fingerprint, "policy": policy,
+                "tokens_sha256": chunk_key("", ids, ""), "num_tokens": str(len(ids))}
 
     def _prefill_kv(self, ids: list[int], keep_from: int = 0) -> ChunkKV:
         shape = self.decoder.shape
@@ -156,19 +168,24 @@ class Engine:
             fused_prefill(self.decoder, [Segment(ids)], kv, BlendConfig(), capture=capture)
         return ChunkKV(out_k, out_v)
 
-    def _chunk_kv(self, handle: ChunkHandle, counter: _Counter) -> ChunkKV:
+    def _chunk_kv(self, handle: ChunkHandle, counter: _Counter) -> LayerSource:
         return self._lookup(handle.key, handle.token_ids, self.precompute_chunk, counter)
 
-    def _prefix_kv(self, ids: list[int], counter: _Counter) -> ChunkKV:
+    def _prefix_kv(self, ids: list[int], counter: _Counter) -> LayerSource:
         """Exact K/V of a prompt prefix computed at position 0 (prefix caching)."""
-        return self._lookup(chunk_key(self.fingerprint, ids, "prefix"), ids, self._prefill_kv, counter)
+        return self._lookup(chunk_key(self.fingerprint, ids, "prefix"), ids, self._prefix_cache, counter)
 
-    def _lookup(self, key: str, ids: Sequence[int], compute, counter: _Counter) -> ChunkKV:
-        """The stored cache for ``key``, else ``compute(ids)`` stored under it."""
-        kv = self.store.get(key)
-        if kv is not None and kv.num_tokens == len(ids):
-            counter.hits += 1
-            return kv
+    def _lookup(self, key: str, ids: Sequence[int], compute, counter: _Counter) -> LayerSource:
+        """The stored cache for ``key`` (read lazily, layer by layer), else ``compute(ids)``
+        stored under it.  An entry made by another model is dropped, never served."""
+        source = None if counter.bypass_store else self.store.open(key)
+        if source is not None:
+            model = source.meta.get("model")
+            if source.num_tokens == len(ids) and model in (None, self.fingerprint):
+                counter.hits += 1
+                return source
+            counter.foreign += 1
+            self.store.delete(key)
         counter.misses += 1
         t = time.perf_counter()
         kv = compute(list(ids))
@@ -291,7 +308,10 @@ class Engine:
 class _Counter:
     hits: int = 0
     misses: int = 0
+    foreign: int = 0
+    corrupt: int = 0
     precompute_s: float = 0.0
+    bypass_store: bool = False
 
 
 class Generation:
@@ -308,20 +328,34 @@ class Generation:
         eng, stats = self.engine, self.stats
         counter = _Counter()
         with torch.inference_mode():
-            t = time.perf_counter()
-            segments = eng.segments(self.prompt, self.handles, self.method, counter)
-            stats.seconds["lookup"] = time.perf_counter() - t - counter.precompute_s
-            stats.seconds["precompute"] = counter.precompute_s
-            stats.store_hits, stats.store_misses = counter.hits, counter.misses
             n = len(self.prompt.all_ids)
             budget = min(self.sampling.max_new_tokens, eng.context_length - n)
             kv = KVCache(eng.decoder.shape, n + budget, eng.device)
             t = time.perf_counter()
-            report: FusionReport = fused_prefill(eng.decoder, segments, kv, self.blend)
+            for attempt in range(_ATTEMPTS):
+                # A cache that fails verification mid-read was dropped by its tier; look
+                # up again (it is recomputed), and bypass the store on the last attempt.
+                counter.bypass_store = attempt == _ATTEMPTS - 1
+                t_lookup = time.perf_counter()
+                segments = eng.segments(self.prompt, self.handles, self.method, counter)
+                stats.seconds["lookup"] = stats.seconds.get("lookup", 0.0) + time.perf_counter() - t_lookup
+                try:
+                    report: FusionReport = fused_prefill(eng.decoder, segments, kv, self.blend,
+                                                         prefetch=eng.prefetch)
+                    break
+                except CorruptEntry:
+                    counter.corrupt += 1
+            stats.seconds["lookup"] -= counter.precompute_s
+            stats.seconds["precompute"] = counter.precompute_s
+            stats.seconds["load"] = report.load_s
+            stats.seconds["load_exposed"] = report.load_exposed_s
+            stats.seconds["load_hidden"] = max(0.0, report.load_s - report.load_exposed_s)
+            stats.store_hits, stats.store_misses = counter.hits, counter.misses
+            stats.store_rejected = counter.foreign + counter.corrupt
             sampler = Sampler(self.sampling)
             token = sampler(report.logits)
             now = time.perf_counter()
-            stats.seconds["prefill"] = now - t
+            stats.seconds["prefill"] = now - t - counter.precompute_s - stats.seconds["lookup"]
             ttft = now - self.t0
             stats.prompt_tokens = report.prompt_tokens
             stats.reused_tokens = report.reused_tokens

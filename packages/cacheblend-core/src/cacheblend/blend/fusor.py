@@ -18,6 +18,7 @@ full prefill would produce.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,8 +26,9 @@ import torch
 from torch import Tensor
 
 from ..models.decoder import Decoder, ModelShape, apply_rope
-from ..store.entry import ChunkKV
+from ..store.entry import LayerSource
 from .attention import AttentionPlans
+from .loader import LayerLoader
 from .selection import BlendConfig, kv_deviation, select_hkvd
 
 # capture(layer, positions, keys_before_rope, values): used by chunk precompute.
@@ -56,7 +58,7 @@ class Segment:
     """
 
     token_ids: Sequence[int]
-    cached: ChunkKV | None = None
+    cached: LayerSource | None = None
     exact: bool = False
 
     def __post_init__(self) -> None:
@@ -77,6 +79,9 @@ class FusionReport:
     computed_tokens: int
     hkvd_positions: Tensor = field(repr=False)
     active_per_layer: list[int] = field(default_factory=list, repr=False)
+    load_s: float = 0.0
+    load_exposed_s: float = 0.0
+    compute_s: float = 0.0
 
 
 def fused_prefill(
@@ -85,8 +90,12 @@ def fused_prefill(
     kv: KVCache,
     config: BlendConfig,
     capture: Capture | None = None,
+    prefetch: bool = True,
 ) -> FusionReport:
-    """Fill ``kv`` for the prompt ``segments`` and return the last position's logits."""
+    """Fill ``kv`` for the prompt ``segments`` and return the last position's logits.
+
+    Reused caches are read layer by layer (the next layer is fetched while this one is
+    fused when ``prefetch``); a source that fails verification raises ``CorruptEntry``."""
     shape = dec.shape
     config.validate_for(shape.num_layers)
     device = kv.k.device
@@ -113,7 +122,6 @@ def fused_prefill(
     if not uncached[-1]:
         raise ValueError("the last prompt token must be computed (end the prompt with an uncached segment)")
     reused_spans = [(a, b, s) for a, b, s in spans if s.cached is not None]
-    approx = [(a, b, s) for a, b, s in reused_spans if not s.exact]
     n_candidates = int(candidate.sum())
     ratio = config.recompute_ratio if n_candidates else 0.0
     row_of = torch.full((n,), -1, dtype=torch.long, device=device)
@@ -126,26 +134,32 @@ def fused_prefill(
     active_per_layer: list[int] = []
 
     plans = AttentionPlans(active, shape.dtype, shape.groups)
-    for layer in range(shape.num_layers):
-        for a, b, seg in reused_spans:  # re-positioning: RoPE at the real offsets
-            assert seg.cached is not None
-            kv.k[layer, :, a:b] = apply_rope(seg.cached.k[layer], cos[a:b], sin[a:b])
-            kv.v[layer, :, a:b] = seg.cached.v[layer]
-        x = dec.attn_input(layer, h)
-        k, v = dec.keys_values(layer, x)
-        if capture is not None:
-            capture(layer, active, k, v)
-        _write(kv, layer, active, apply_rope(k, cos[active], sin[active]), v)
+    loader = LayerLoader([s.cached for _, _, s in reused_spans], shape.num_layers, prefetch)  # type: ignore[misc]
+    t_start = time.perf_counter()
+    try:
+        for layer in range(shape.num_layers):
+            cached = loader.layer(layer)
+            for (a, b, _), (ck, cv) in zip(reused_spans, cached):  # re-positioning: RoPE at real offsets
+                kv.k[layer, :, a:b] = apply_rope(ck, cos[a:b], sin[a:b])
+                kv.v[layer, :, a:b] = cv
+            x = dec.attn_input(layer, h)
+            k, v = dec.keys_values(layer, x)
+            if capture is not None:
+                capture(layer, active, k, v)
+            _write(kv, layer, active, apply_rope(k, cos[active], sin[active]), v)
 
-        if layer in checks and 0.0 < ratio < 1.0:
-            keep = _check(config, checks[layer], layer, active, candidate, row_of, approx, k, v, n_candidates)
-            if keep is not None:  # HKVD tokens (and uncached ones) go on; the rest keep fresh K/V here
-                active, h, x = active[keep], h[keep], x[keep]
-                plans = AttentionPlans(active, shape.dtype, shape.groups)
-        active_per_layer.append(active.numel())
-        q = apply_rope(dec.queries(layer, x), cos[active], sin[active])
-        plan = plans[shape.windows[layer]]
-        h = dec.finish(layer, h, plan(q, kv.k[layer, :, :n], kv.v[layer, :, :n], dec.scaling))
+            if layer in checks and 0.0 < ratio < 1.0:
+                approx_kv = [c for (_, _, s), c in zip(reused_spans, cached) if not s.exact]
+                keep = _check(config, checks[layer], active, candidate, row_of, approx_kv, k, v, n_candidates)
+                if keep is not None:  # HKVD tokens (and uncached ones) go on; the rest keep fresh K/V here
+                    active, h, x = active[keep], h[keep], x[keep]
+                    plans = AttentionPlans(active, shape.dtype, shape.groups)
+            active_per_layer.append(active.numel())
+            q = apply_rope(dec.queries(layer, x), cos[active], sin[active])
+            plan = plans[shape.windows[layer]]
+            h = dec.finish(layer, h, plan(q, kv.k[layer, :, :n], kv.v[layer, :, :n], dec.scaling))
+    finally:
+        loader.close()
 
     kv.length = n
     hkvd = active[candidate[active]]
@@ -158,6 +172,9 @@ def fused_prefill(
         computed_tokens=n_uncached,
         hkvd_positions=hkvd,
         active_per_layer=active_per_layer,
+        load_s=loader.load_s,
+        load_exposed_s=loader.exposed_s,
+        compute_s=time.perf_counter() - t_start - loader.exposed_s,
     )
 
 
@@ -174,11 +191,10 @@ def _write(kv: KVCache, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> 
 def _check(
     config: BlendConfig,
     check_index: int,
-    layer: int,
     active: Tensor,
     candidate: Tensor,
     row_of: Tensor,
-    approx: list[tuple[int, int, Segment]],
+    approx_kv: list[tuple[Tensor, Tensor]],
     k: Tensor,
     v: Tensor,
     n_candidates: int,
@@ -190,8 +206,8 @@ def _check(
     if keep_n >= cand_idx.numel():
         return None
     rows = row_of[active[cand_idx]]
-    cached_k = torch.cat([s.cached.k[layer] for _, _, s in approx], dim=1)[:, rows]  # type: ignore[union-attr]
-    cached_v = torch.cat([s.cached.v[layer] for _, _, s in approx], dim=1)[:, rows]  # type: ignore[union-attr]
+    cached_k = torch.cat([ck for ck, _ in approx_kv], dim=1)[:, rows]
+    cached_v = torch.cat([cv for _, cv in approx_kv], dim=1)[:, rows]
     dev = kv_deviation(k[:, cand_idx], v[:, cand_idx], cached_k, cached_v, config.deviation)
     chosen = cand_idx[select_hkvd(dev, keep_n)]
     return torch.cat([torch.nonzero(~is_cand).squeeze(1), chosen]).sort().values

@@ -1,19 +1,28 @@
 """KV store: tiers behind one ``get``/``put``/``delete`` interface.
 
 Spec strings (``Engine.load(store=...)``): ``"memory"``, ``"memory:2GB"``,
-``"disk:PATH"``, or several joined by commas, fastest first.  ``None`` means memory plus
-a disk tier under the cache dir.
+``"disk:PATH"``, ``"disk:PATH:50GB"``, ``"redis://HOST:PORT/DB"``, or several joined by
+commas, fastest first.  ``None`` means memory plus a disk tier under the cache dir.
 """
 
 from __future__ import annotations
 
 from .disk import DiskStore
-from .entry import ChunkKV
+from .entry import ChunkKV, CorruptEntry, LayerSource
 from .keys import chunk_key
 from .memory import MemoryStore
 from .tiered import Tier, TieredStore
 
-__all__ = ["ChunkKV", "DiskStore", "MemoryStore", "Tier", "TieredStore", "chunk_key", "open_store", "parse_size"]
+__all__ = ["ChunkKV", "CorruptEntry", "DiskStore", "LayerSource", "MemoryStore", "RedisStore", "Tier",
+           "TieredStore", "chunk_key", "open_store", "parse_size"]
+
+
+def __getattr__(name: str):
+    if name == "RedisStore":  # redis-py is imported only when a Redis tier is used
+        from .redis_tier import RedisStore
+
+        return RedisStore
+    raise AttributeError(name)
 
 
 def open_store(spec: str | Tier | None) -> Tier:
@@ -31,14 +40,31 @@ def open_store(spec: str | Tier | None) -> Tier:
 
 
 def _tier(spec: str) -> Tier:
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        from .redis_tier import RedisStore
+
+        return RedisStore(spec)
     kind, _, arg = spec.partition(":")
     if kind == "memory":
         return MemoryStore(parse_size(arg) if arg else None)
     if kind == "disk":
         if not arg:
-            raise ValueError("disk tier needs a path: 'disk:PATH'")
+            raise ValueError("disk tier needs a path: 'disk:PATH' or 'disk:PATH:SIZE'")
+        path, _, size = arg.rpartition(":")
+        if path and _is_size(size):
+            return DiskStore(path, parse_size(size))
         return DiskStore(arg)
-    raise ValueError(f"unknown store tier {spec!r}; known: 'memory[:SIZE]', 'disk:PATH'")
+    raise ValueError(
+        f"unknown store tier {spec!r}; known: 'memory[:SIZE]', 'disk:PATH[:SIZE]', 'redis://HOST:PORT/DB'"
+    )
+
+
+def _is_size(text: str) -> bool:
+    try:
+        parse_size(text)
+        return True
+    except ValueError:
+        return False
 
 
 def parse_size(text: str) -> int:

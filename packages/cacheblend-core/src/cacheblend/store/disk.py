@@ -1,50 +1,114 @@
 """Disk tier: one safetensors file per chunk, written atomically, verified on read.
 
 Layout: ``ROOT/<key[:2]>/<key>.safetensors`` holding ``k.<layer>`` and ``v.<layer>``
-tensors (``[kv_heads, tokens, head_dim]``), so one layer can be read without the rest.
-The header metadata carries the format version, the key, the shape and a sha256 of the
-tensor bytes.  An entry that is truncated, corrupted or not what its name says is
-counted, deleted and reported as a miss, so the engine recomputes it — never serves it.
-No pickle: safetensors only.
+tensors (``[kv_heads, tokens, head_dim]``), so one layer can be read without the rest
+(pipelined loading).  The header metadata carries the format version, the key, the
+shape, who made it (model fingerprint, precompute policy, token-ids hash) and a sha256
+per layer.  An entry that is truncated, corrupted or not what its name says is counted,
+deleted and reported as a miss, so the engine recomputes it — never serves it.
+
+``ROOT/index.sqlite3`` records size and last access of every entry: it survives
+restarts, is shared safely by several processes (SQLite locking), and drives LRU
+eviction within the byte budget.  No pickle anywhere: safetensors and SQLite only.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import struct
+import sqlite3
 import tempfile
 import threading
+import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import load as st_load
+from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from .entry import ChunkKV
+from .entry import ChunkKV, CorruptEntry, layer_digest
 
 FORMAT = "cacheblend-kv"
-VERSION = "1"
+VERSION = "2"
+_TMP_PREFIX = ".tmp-"
 
 
-def _digest(kv: ChunkKV) -> str:
-    h = hashlib.sha256()
-    for layer in range(kv.k.shape[0]):
-        for t in (kv.k[layer], kv.v[layer]):
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+class DiskSource:
+    """One verified entry, read a layer at a time (each layer checked against its digest)."""
+
+    def __init__(self, store: DiskStore, key: str, path: Path) -> None:
+        self._store, self.key = store, key
+        try:
+            self._file = safe_open(str(path), framework="pt")
+            meta = self._file.metadata() or {}
+            ok = meta.get("format") == FORMAT and meta.get("version") == VERSION and meta.get("key") == key
+            self.num_layers = int(meta["layers"])
+            self.num_tokens = int(meta["tokens"])
+            self._digests = json.loads(meta["layer_sha256"])
+            ok = ok and len(self._digests) == self.num_layers
+        except Exception as e:  # unreadable header: truncated, overwritten, foreign
+            raise CorruptEntry(f"{path}: {e}") from e
+        if not ok:
+            raise CorruptEntry(f"{path}: header does not describe key {key}")
+        self.meta = {k: v for k, v in meta.items() if k != "layer_sha256"}
+
+    def layer(self, index: int):
+        try:
+            k = self._file.get_tensor(f"k.{index}")
+            v = self._file.get_tensor(f"v.{index}")
+        except Exception as e:
+            self._store._condemn(self.key)
+            raise CorruptEntry(f"{self.key}: layer {index} unreadable: {e}") from e
+        if k.shape[1] != self.num_tokens or layer_digest(k, v) != self._digests[index]:
+            self._store._condemn(self.key)
+            raise CorruptEntry(f"{self.key}: layer {index} fails its checksum")
+        return k, v
+
+    def read_all(self) -> ChunkKV:
+        import torch
+
+        layers = [self.layer(i) for i in range(self.num_layers)]
+        return ChunkKV(torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]), dict(self.meta))
 
 
 class DiskStore:
-    """Chunk caches as files under ``root``."""
+    """Chunk caches as files under ``root``, at most ``capacity_bytes`` in all (LRU)."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int | None = None) -> None:
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError("disk capacity must be positive")
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
         self.corrupt = 0
         self.write_errors = 0
+        self.evictions = 0
+        self.last_error: str | None = None
         self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.root / "index.sqlite3", timeout=60, check_same_thread=False,
+                                   isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, bytes INTEGER, used REAL)")
+        if self._sql("SELECT COUNT(*) FROM entries")[0][0] == 0:
+            self.reindex()
+
+    # -- index ---------------------------------------------------------------------
+    def _sql(self, query: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(query, args).fetchall()
+
+    def reindex(self) -> int:
+        """Rebuild the index from the files present (after a crash or a copy)."""
+        rows = [(p.stem, p.stat().st_size, p.stat().st_mtime) for p in self.root.glob("??/*.safetensors")]
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("DELETE FROM entries")
+            self._db.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?)", rows)
+            self._db.execute("COMMIT")
+        return len(rows)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._sql("SELECT COALESCE(SUM(bytes), 0) FROM entries")[0][0])
 
     def path(self, key: str) -> Path:
         if len(key) < 3 or not all(c in "0123456789abcdef" for c in key):
@@ -54,75 +118,143 @@ class DiskStore:
     def __contains__(self, key: str) -> bool:
         return self.path(key).is_file()
 
-    def get(self, key: str) -> ChunkKV | None:
+    def __len__(self) -> int:
+        return int(self._sql("SELECT COUNT(*) FROM entries")[0][0])
+
+    def keys(self) -> list[str]:
+        return [r[0] for r in self._sql("SELECT key FROM entries ORDER BY used")]
+
+    # -- reads ---------------------------------------------------------------------
+    def open(self, key: str) -> DiskSource | None:
+        """A layer-wise reader for ``key``, or None (absent or untrustworthy)."""
         path = self.path(key)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+        if not path.is_file():
             return None
-        kv = self._decode(key, data)
-        if kv is None:
-            with self._lock:
-                self.corrupt += 1
-            path.unlink(missing_ok=True)
-        return kv
-
-    def _decode(self, key: str, data: bytes) -> ChunkKV | None:
         try:
-            header_len = struct.unpack("<Q", data[:8])[0]
-            meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
-            if meta.get("format") != FORMAT or meta.get("version") != VERSION or meta.get("key") != key:
-                return None
-            tensors = st_load(data)
-            layers = int(meta["layers"])
-            kv = ChunkKV(
-                torch.stack([tensors[f"k.{i}"] for i in range(layers)]),
-                torch.stack([tensors[f"v.{i}"] for i in range(layers)]),
-            )
-            if kv.num_tokens != int(meta["tokens"]) or _digest(kv) != meta["sha256"]:
-                return None
-            return kv
-        except Exception:  # any parse failure means the entry cannot be trusted
+            source = DiskSource(self, key, path)
+        except CorruptEntry:
+            self._condemn(key)
+            return None
+        self._sql("UPDATE entries SET used = ? WHERE key = ?", (time.time(), key))
+        return source
+
+    def get(self, key: str) -> ChunkKV | None:
+        source = self.open(key)
+        if source is None:
+            return None
+        try:
+            return source.read_all()
+        except CorruptEntry:
             return None
 
+    def _condemn(self, key: str) -> None:
+        """Count and remove an entry that failed verification."""
+        with self._lock:
+            self.corrupt += 1
+        self.delete(key)
+
+    # -- writes --------------------------------------------------------------------
     def put(self, key: str, kv: ChunkKV) -> bool:
         path = self.path(key)
         tensors = {}
-        for i in range(kv.k.shape[0]):
+        for i in range(kv.num_layers):
             tensors[f"k.{i}"] = kv.k[i].contiguous()
             tensors[f"v.{i}"] = kv.v[i].contiguous()
-        meta = {
-            "format": FORMAT, "version": VERSION, "key": key, "layers": str(kv.k.shape[0]),
-            "tokens": str(kv.num_tokens), "dtype": str(kv.k.dtype), "sha256": _digest(kv),
+        meta = {str(k): str(v) for k, v in kv.meta.items()}
+        meta |= {
+            "format": FORMAT, "version": VERSION, "key": key, "layers": str(kv.num_layers),
+            "tokens": str(kv.num_tokens), "dtype": str(kv.k.dtype),
+            "layer_sha256": json.dumps([layer_digest(*kv.layer(i)) for i in range(kv.num_layers)]),
         }
+        blob = st_save(tensors, meta)
+        if not self._reserve(key, len(blob)):
+            return False
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
             try:
                 with os.fdopen(fd, "wb") as f:
-                    f.write(st_save(tensors, meta))
+                    f.write(blob)
                     f.flush()
                     os.fsync(f.fileno())
-                os.replace(tmp, path)  # readers see the old entry or the whole new one
+                os.replace(tmp, path)  # readers see no entry, the old one or the whole new one
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
-        except OSError:
+        except OSError as e:  # disk full, read-only, gone: the caller carries on without us
+            self._sql("DELETE FROM entries WHERE key = ?", (key,))
             with self._lock:
                 self.write_errors += 1
+                self.last_error = f"{type(e).__name__}: {e}"
             return False
         return True
 
+    def _reserve(self, key: str, size: int) -> bool:
+        """Record ``key`` in the index, evicting least-recently-used entries so the total
+        stays within the capacity (one transaction, so concurrent writers agree)."""
+        cap = self.capacity_bytes
+        if cap is not None and size > cap:
+            return False
+        evicted: list[str] = []
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("DELETE FROM entries WHERE key = ?", (key,))
+                if cap is not None:
+                    total = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM entries").fetchone()[0]
+                    for old, nbytes in db.execute("SELECT key, bytes FROM entries ORDER BY used").fetchall():
+                        if total + size <= cap:
+                            break
+                        db.execute("DELETE FROM entries WHERE key = ?", (old,))
+                        evicted.append(old)
+                        total -= nbytes
+                db.execute("INSERT INTO entries VALUES (?, ?, ?)", (key, size, time.time()))
+                for old in evicted:  # files go inside the transaction: no overshoot on disk
+                    self.path(old).unlink(missing_ok=True)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            self.evictions += len(evicted)
+        return True
+
     def delete(self, key: str) -> bool:
+        self._sql("DELETE FROM entries WHERE key = ?", (key,))
         try:
             self.path(key).unlink()
             return True
         except FileNotFoundError:
             return False
 
-    def keys(self) -> list[str]:
-        return [p.stem for p in self.root.glob("??/*.safetensors")]
-
     def clear(self) -> None:
-        for key in self.keys():
-            self.delete(key)
+        for p in self.root.glob("??/*.safetensors"):
+            p.unlink(missing_ok=True)
+        self._sql("DELETE FROM entries")
+
+    # -- maintenance ---------------------------------------------------------------
+    def verify(self, progress=None) -> dict[str, int]:
+        """Read every entry fully; drop the ones that fail. Returns counts."""
+        keys = self.keys()
+        bad = 0
+        for key in progress(keys) if progress else keys:
+            if self.get(key) is None:
+                bad += 1
+        return {"checked": len(keys), "dropped": bad}
+
+    def gc(self, older_than_s: float = 3600.0) -> dict[str, int]:
+        """Remove temp files left by killed writers and index rows whose file is gone."""
+        now, tmp_removed = time.time(), 0
+        for p in self.root.glob(f"??/{_TMP_PREFIX}*"):
+            if now - p.stat().st_mtime > older_than_s:
+                p.unlink(missing_ok=True)
+                tmp_removed += 1
+        stale = [k for k in self.keys() if not self.path(k).is_file()]
+        for k in stale:
+            self._sql("DELETE FROM entries WHERE key = ?", (k,))
+        return {"temp_files_removed": tmp_removed, "stale_index_rows": len(stale)}
+
+    def stats(self) -> dict:
+        return {"tier": "disk", "path": str(self.root), "entries": len(self), "bytes": self.nbytes,
+                "capacity_bytes": self.capacity_bytes, "corrupt": self.corrupt, "evictions": self.evictions,
+                "write_errors": self.write_errors, "last_error": self.last_error}

@@ -54,6 +54,14 @@ class MemoryStore:
                 self.evictions += 1
         return True
 
+    def open(self, key: str) -> ChunkKV | None:
+        """Layer-wise access: an in-memory entry already is one."""
+        return self.get(key)
+
+    def stats(self) -> dict:
+        return {"tier": "memory", "entries": len(self), "bytes": self._bytes,
+                "capacity_bytes": self.capacity_bytes, "evictions": self.evictions}
+
     def delete(self, key: str) -> bool:
         with self._lock:
             kv = self._items.pop(key, None)

@@ -1,0 +1,164 @@
+"""Redis/Valkey tier through redis-py: the store that many engine processes on many
+machines share (the scale-out path).
+
+Each chunk is ``PREFIX:{key}:meta`` (JSON: shape, dtype, who made it, a sha256 per
+layer) plus one value per layer ``PREFIX:{key}:L`` holding that layer's K then V bytes,
+so layers stream one GET at a time.  A write sets every layer and the meta in one
+MULTI/EXEC transaction, so a reader sees the whole entry or none of it; every layer is
+checked against its digest as it is read.  A server that is down or restarted costs a
+request nothing but a quick miss: the tier backs off for a few seconds, then redis-py
+reconnects on the next command.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import torch
+
+from .entry import ChunkKV, CorruptEntry, layer_bytes, layer_digest
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+class RedisSource:
+    def __init__(self, tier: RedisStore, key: str, meta: dict) -> None:
+        self._tier, self.key = tier, key
+        self.num_layers = int(meta["layers"])
+        self.num_tokens = int(meta["tokens"])
+        self._shape = tuple(meta["shape"])  # per layer: kv_heads, tokens, head_dim
+        self._dtype = _DTYPES[meta["dtype"]]
+        self._digests = meta["layer_sha256"]
+        self.meta = {k: str(v) for k, v in meta.items() if k not in ("layer_sha256", "shape")}
+
+    def layer(self, index: int):
+        blob = self._tier._call(lambda r: r.get(self._tier._name(self.key, index)))
+        if blob is None:
+            raise CorruptEntry(f"{self.key}: layer {index} missing (evicted or unreachable)")
+        flat = torch.frombuffer(bytearray(blob), dtype=self._dtype)
+        if flat.numel() % 2:
+            self._tier._condemn(self.key)
+            raise CorruptEntry(f"{self.key}: layer {index} has an odd size")
+        half = flat.numel() // 2
+        try:
+            k, v = flat[:half].view(self._shape), flat[half:].view(self._shape)
+        except RuntimeError as e:
+            self._tier._condemn(self.key)
+            raise CorruptEntry(f"{self.key}: layer {index} has the wrong size") from e
+        if layer_digest(k, v) != self._digests[index]:
+            self._tier._condemn(self.key)
+            raise CorruptEntry(f"{self.key}: layer {index} fails its checksum")
+        return k, v
+
+    def read_all(self) -> ChunkKV:
+        layers = [self.layer(i) for i in range(self.num_layers)]
+        return ChunkKV(torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]), dict(self.meta))
+
+
+class RedisStore:
+    """A tier on a Redis server given as ``redis://HOST:PORT/DB``."""
+
+    def __init__(self, url: str, prefix: str = "cacheblend", ttl_s: int | None = None,
+                 timeout_s: float = 0.5, backoff_s: float = 5.0) -> None:
+        import redis
+
+        self.url, self.prefix, self.ttl_s, self.backoff_s = url, prefix, ttl_s, backoff_s
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self.corrupt = 0
+        self.unreachable = 0
+        self.last_error: str | None = None
+
+    def _name(self, key: str, part: int | str) -> str:
+        return f"{self.prefix}:{key}:{part}"
+
+    def _call(self, fn):
+        """Run ``fn(client)``; a connection failure is a miss, and the tier rests a while."""
+        if time.monotonic() < self._down_until:
+            return None
+        try:
+            return fn(self._client)
+        except self._errors as e:
+            with self._lock:
+                self.unreachable += 1
+                self.last_error = f"{type(e).__name__}: {e}"
+                self._down_until = time.monotonic() + self.backoff_s
+            return None
+
+    @property
+    def available(self) -> bool:
+        return self._call(lambda r: r.ping()) is True
+
+    def open(self, key: str) -> RedisSource | None:
+        raw = self._call(lambda r: r.get(self._name(key, "meta")))
+        if raw is None:
+            return None
+        try:
+            meta = json.loads(raw)
+            if meta.get("key") != key:
+                raise ValueError("meta names another key")
+            return RedisSource(self, key, meta)
+        except (ValueError, KeyError, TypeError) as e:
+            self.last_error = f"bad meta for {key}: {e}"
+            self._condemn(key)
+            return None
+
+    def get(self, key: str) -> ChunkKV | None:
+        source = self.open(key)
+        if source is None:
+            return None
+        try:
+            return source.read_all()
+        except CorruptEntry:
+            return None
+
+    def put(self, key: str, kv: ChunkKV) -> bool:
+        meta = {str(k): str(v) for k, v in kv.meta.items()} | {
+            "key": key, "layers": kv.num_layers, "tokens": kv.num_tokens, "dtype": str(kv.k.dtype),
+            "shape": list(kv.k.shape[1:]),
+            "layer_sha256": [layer_digest(*kv.layer(i)) for i in range(kv.num_layers)],
+        }
+
+        def write(r):
+            pipe = r.pipeline(transaction=True)
+            for i in range(kv.num_layers):
+                pipe.set(self._name(key, i), layer_bytes(*kv.layer(i)), ex=self.ttl_s)
+            pipe.set(self._name(key, "meta"), json.dumps(meta), ex=self.ttl_s)
+            pipe.execute()
+            return True
+
+        return self._call(write) is True
+
+    def _condemn(self, key: str) -> None:
+        with self._lock:
+            self.corrupt += 1
+        self.delete(key)
+
+    def delete(self, key: str) -> bool:
+        def drop(r):
+            names = [self._name(key, "meta")] + list(r.scan_iter(match=self._name(key, "*"), count=1000))
+            return r.delete(*names) > 0
+
+        return bool(self._call(drop))
+
+    def keys(self) -> list[str]:
+        found = self._call(lambda r: list(r.scan_iter(match=f"{self.prefix}:*:meta", count=1000))) or []
+        return [n.decode().split(":")[-2] for n in found]
+
+    def clear(self) -> None:
+        def drop_all(r):
+            names = list(r.scan_iter(match=f"{self.prefix}:*", count=1000))
+            for i in range(0, len(names), 1000):
+                r.delete(*names[i : i + 1000])
+
+        self._call(drop_all)
+
+    def stats(self) -> dict:
+        info = self._call(lambda r: r.info("memory")) or {}
+        return {"tier": "redis", "url": self.url, "entries": len(self.keys()),
+                "bytes": info.get("used_memory"), "corrupt": self.corrupt,
+                "unreachable": self.unreachable, "last_error": self.last_error}
