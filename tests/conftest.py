@@ -93,3 +93,52 @@ def tiny_engine(request, tmp_path_factory, default_model_dir):
     engine = Engine.load(folder, store="memory")
     engine.family = request.param
     return engine
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server on a free loopback port, stopped after the session."""
+    import shutil
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed (make test installs it: scripts/ensure-redis.sh)")
+    server = RedisServer(binary, tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+class RedisServer:
+    def __init__(self, binary, folder):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.binary, self.folder, self.proc = binary, folder, None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self):
+        import subprocess
+        import time
+
+        import redis
+
+        self.proc = subprocess.Popen(
+            [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+             "--dir", str(self.folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None

@@ -1,0 +1,109 @@
+"""The Redis tier against a real redis-server on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+import torch
+
+from cacheblend import Engine
+from cacheblend.store import ChunkKV, RedisStore
+
+from conftest import PASSAGES, QUERY, make_tiny_model
+
+KEY = "ef" + "2" * 62
+
+
+@pytest.fixture
+def tier(redis_server):
+    store = RedisStore(redis_server.url, prefix=f"t{time.monotonic_ns()}")
+    yield store
+    store.clear()
+
+
+def _kv():
+    g = torch.Generator().manual_seed(3)
+    return ChunkKV(torch.randn(3, 2, 5, 4, generator=g), torch.randn(3, 2, 5, 4, generator=g), {"model": "m"})
+
+
+def test_round_trip_per_layer(tier):
+    kv = _kv()
+    assert tier.put(KEY, kv)
+    source = tier.open(KEY)
+    k1, v1 = source.layer(1)
+    assert torch.equal(k1, kv.k[1]) and torch.equal(v1, kv.v[1])
+    got = tier.get(KEY)
+    assert torch.equal(got.k, kv.k) and got.meta["model"] == "m"
+    assert tier.keys() == [KEY]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "meta"])
+def test_damaged_entries_are_dropped(tier, damage):
+    tier.put(KEY, _kv())
+    client = redis.Redis.from_url(tier.url)
+    if damage == "flip":
+        client.setrange(tier._name(KEY, 2), 5, b"\xff\xfe")
+    elif damage == "truncate":
+        client.set(tier._name(KEY, 0), client.get(tier._name(KEY, 0))[:-8])
+    else:
+        client.set(tier._name(KEY, "meta"), b"{not json")
+    assert tier.get(KEY) is None
+    assert tier.corrupt == 1
+    assert client.get(tier._name(KEY, "meta")) is None  # dropped
+
+
+def test_unreachable_server_is_a_quick_miss():
+    tier = RedisStore("redis://127.0.0.1:1/0", timeout_s=0.2, backoff_s=60)
+    t = time.perf_counter()
+    assert tier.get(KEY) is None and tier.put(KEY, _kv()) is False
+    assert time.perf_counter() - t < 2.0
+    assert tier.unreachable == 1  # the second call did not even try: backing off
+
+
+def test_two_processes_share_chunks_through_redis(tmp_path, redis_server, default_model_dir):
+    model = make_tiny_model(tmp_path / "m", "qwen3", default_model_dir)
+    prefix = f"share{time.monotonic_ns()}"
+    script = f"""
+import json, sys
+from cacheblend import Engine
+from cacheblend.store import MemoryStore, RedisStore, TieredStore
+e = Engine.load({str(model)!r}, store=TieredStore([MemoryStore(), RedisStore({redis_server.url!r}, prefix={prefix!r})]))
+r = e.generate({QUERY!r}, {PASSAGES!r}, max_new_tokens=4)
+e.store.flush()
+print(json.dumps({{"misses": r.stats.store_misses, "hits": r.stats.store_hits, "tokens": r.token_ids}}))
+"""
+    import json
+
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                      check=True, timeout=300).stdout.splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["misses"] == len(PASSAGES) + 1  # the first process computes everything
+    assert runs[1]["misses"] == 0 and runs[1]["hits"] == len(PASSAGES) + 1  # the second reuses it
+    assert runs[0]["tokens"] == runs[1]["tokens"]
+
+
+def test_requests_survive_a_redis_restart(tmp_path, redis_server, default_model_dir):
+    model = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    engine = Engine.load(model, store=f"memory,{redis_server.url}")
+    remote = engine.store.tiers[1]
+    remote.backoff_s = 0.2
+    handles = engine.ingest(PASSAGES[:2])
+    engine.store.flush()
+    want = engine.generate(QUERY, handles, max_new_tokens=4)
+
+    redis_server.stop()
+    try:
+        fresh = engine.ingest(["A passage ingested while Redis is down."])
+        during = engine.generate(QUERY, handles + fresh, max_new_tokens=4)  # local tiers carry on
+        engine.store.flush()
+        assert remote.unreachable >= 1
+        assert during.text is not None
+    finally:
+        redis_server.start()
+    time.sleep(0.3)
+    assert remote.put(fresh[0].key, engine.store.tiers[0].get(fresh[0].key))  # reconnected
+    again = engine.generate(QUERY, handles, max_new_tokens=4)
+    assert again.token_ids == want.token_ids

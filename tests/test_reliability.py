@@ -1,0 +1,176 @@
+"""What must never go wrong with stored caches, on real files and processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from cacheblend import Engine
+from cacheblend.store import ChunkKV, DiskStore
+
+from conftest import PASSAGES, QUERY, make_tiny_model
+
+GEN = dict(max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, default_model_dir):
+    return make_tiny_model(tmp_path_factory.mktemp("rel"), "llama", default_model_dir)
+
+
+def _kv(tokens=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return ChunkKV(torch.randn(4, 2, tokens, 16, generator=g), torch.randn(4, 2, tokens, 16, generator=g))
+
+
+# -- LMCache blend-mode failures users reported ------------------------------------
+def test_same_prompt_twice(model, tmp_path):  # LMCache #854
+    engine = Engine.load(model, store=f"memory,disk:{tmp_path}")
+    a = engine.generate(QUERY, PASSAGES, **GEN)
+    b = engine.generate(QUERY, PASSAGES, **GEN)
+    assert a.token_ids == b.token_ids
+    assert torch.equal(a.first_token_logits, b.first_token_logits)
+    assert b.stats.store_misses == 0
+
+
+def test_reordered_chunks_with_full_hit(model):  # LMCache #938
+    engine = Engine.load(model, store="memory")
+    handles = engine.ingest(PASSAGES)
+    order = handles[::-1]
+    hit = engine.generate(QUERY, order, **GEN)
+    assert hit.stats.store_misses == 1  # the system prefix only; every chunk hit
+    fresh = Engine.load(model, store="memory").generate(QUERY, [PASSAGES[i] for i in (3, 2, 1, 0)], **GEN)
+    assert hit.token_ids == fresh.token_ids
+    full = engine.generate(QUERY, order, method="full", **GEN)
+    exact = engine.generate(QUERY, order, recompute_ratio=1.0, **GEN)
+    assert exact.token_ids == full.token_ids
+
+
+def test_uncached_chunk_in_the_middle(model):  # LMCache #3238
+    engine = Engine.load(model, store="memory")
+    handles = engine.ingest([PASSAGES[0], PASSAGES[2]])
+    mixed = [handles[0], PASSAGES[1], handles[1]]
+    r = engine.generate(QUERY, mixed, **GEN)
+    assert r.stats.store_misses == 2  # the new chunk and the system prefix
+    fresh = Engine.load(model, store="memory").generate(QUERY, PASSAGES[:3], **GEN)
+    assert r.token_ids == fresh.token_ids
+    full = engine.generate(QUERY, mixed, method="full", **GEN)
+    assert engine.generate(QUERY, mixed, recompute_ratio=1.0, **GEN).token_ids == full.token_ids
+
+
+# -- disk tier -------------------------------------------------------------------
+def test_disk_capacity_is_never_exceeded(tmp_path):
+    store = DiskStore(tmp_path / "kv", capacity_bytes=3 * 40_000)
+    for i in range(8):
+        store.put(f"{i:064x}", _kv(tokens=50, seed=i))  # ~51 KB each
+        files = sum(p.stat().st_size for p in (tmp_path / "kv").glob("??/*.safetensors"))
+        assert files <= store.capacity_bytes and store.nbytes <= store.capacity_bytes
+    assert store.evictions >= 5
+    restarted = DiskStore(tmp_path / "kv", capacity_bytes=3 * 40_000)  # the index survives restarts
+    assert sorted(restarted.keys()) == sorted(store.keys()) and len(restarted) >= 1
+
+
+def test_disk_lru_keeps_recently_read(tmp_path):
+    store = DiskStore(tmp_path, capacity_bytes=130_000)
+    store.put("aa" * 32, _kv(seed=1))
+    store.put("bb" * 32, _kv(seed=2))
+    time.sleep(0.01)
+    assert store.get("aa" * 32) is not None  # touch: now bb is the least recently used
+    store.put("cc" * 32, _kv(seed=3))
+    assert "aa" * 32 in store and "bb" * 32 not in store
+
+
+_WRITER = """
+import sys, torch
+from cacheblend.store import ChunkKV, DiskStore
+store = DiskStore(sys.argv[1])
+kv = ChunkKV(torch.randn(64, 8, 2048, 64), torch.randn(64, 8, 2048, 64))
+print("ready", flush=True)
+while True:
+    store.put("ab" * 32, kv)
+"""
+
+
+def test_writer_killed_mid_write_leaves_nothing_half_written(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    deadline = time.time() + 60
+    while not list(tmp_path.glob("ab/.tmp-*")) and time.time() < deadline:
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    store = DiskStore(tmp_path)
+    kv = store.get("ab" * 32)
+    assert kv is None or kv.k.shape == (64, 8, 2048, 64)  # the whole entry or none of it
+    assert store.corrupt == 0
+    assert not list(tmp_path.glob("ab/*.safetensors")) or kv is not None
+    store.gc(older_than_s=0)
+    assert not list(tmp_path.glob("ab/.tmp-*"))
+
+
+_SHARER = """
+import json, sys, torch
+from cacheblend.store import ChunkKV, DiskStore
+store = DiskStore(sys.argv[1], capacity_bytes=int(sys.argv[2]))
+seen = bad = 0
+for i in range(60):
+    key = f"{i % 6:064x}"
+    g = torch.Generator().manual_seed(i % 6)
+    want = ChunkKV(torch.randn(4, 2, 300, 16, generator=g), torch.randn(4, 2, 300, 16, generator=g))
+    if i % 2:
+        store.put(key, want)
+    got = store.get(key)
+    if got is not None:
+        seen += 1
+        bad += not (torch.equal(got.k, want.k) and torch.equal(got.v, want.v))
+print(json.dumps({"seen": seen, "bad": bad, "corrupt": store.corrupt}))
+"""
+
+
+def test_two_processes_share_one_disk_store(tmp_path):
+    cap = 4 * 160_000
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARER, str(tmp_path), str(cap)], stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [json.loads(p.communicate(timeout=300)[0].splitlines()[-1]) for p in procs]
+    assert all(o["bad"] == 0 and o["corrupt"] == 0 for o in outs), outs
+    assert sum(o["seen"] for o in outs) > 0
+    files = sum(p.stat().st_size for p in tmp_path.glob("??/*.safetensors"))
+    assert files <= cap
+
+
+def test_disk_full_carries_on_with_memory(model, tmp_path):
+    engine = Engine.load(model, store=f"memory,disk:{tmp_path}")
+    disk = engine.store.tiers[1]
+    # Every write now fails with an OSError, as on a full disk (ENOSPC) — a tmpfs of our
+    # own would need mount rights, so the tier's folder is put under a plain file.
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    disk.root = tmp_path / "blocker" / "kv"
+    r = engine.generate(QUERY, PASSAGES, **GEN)
+    engine.store.flush()
+    assert r.token_ids
+    assert disk.write_errors >= 1 and disk.last_error
+    stats = engine.store.stats()
+    assert stats["failed_writes"] >= 1
+    again = engine.generate(QUERY, PASSAGES, **GEN)  # served from memory
+    assert again.stats.store_misses == 0 and again.token_ids == r.token_ids
+
+
+def test_foreign_model_entry_is_rejected(model, tmp_path, default_model_dir):
+    other = make_tiny_model(tmp_path / "other", "qwen2", default_model_dir)
+    a = Engine.load(model, store=f"disk:{tmp_path / 'kv'}")
+    b = Engine.load(other, store=f"disk:{tmp_path / 'kv'}")
+    (h,) = a.ingest(PASSAGES[:1])
+    # Plant model A's entry under the key model B will look for.
+    key_b = b.ingest(PASSAGES[:1])[0].key
+    b.store.delete(key_b)
+    b.store.put(key_b, a.store.get(h.key))
+    r = b.generate(QUERY, PASSAGES[:1], **GEN)
+    assert r.stats.store_rejected == 1
+    assert b.store.get(key_b).meta["model"] == b.fingerprint  # replaced by B's own
