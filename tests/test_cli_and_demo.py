@@ -55,3 +55,29 @@ def test_demo_prints_answers_and_ttft(tmp_path):
     assert "[ full] TTFT" in out.stdout and "[blend] TTFT" in out.stdout
     assert out.stdout.count("answer:") == 2
     assert "lower than full prefill" in out.stdout
+
+
+def test_store_commands(tmp_path):
+    import torch
+
+    from cacheblend.store import ChunkKV, DiskStore
+
+    disk = DiskStore(tmp_path / "kv")
+    for i in range(3):
+        disk.put(f"{i:064x}", ChunkKV(torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4, 8)))
+    bad = disk.path(f"{1:064x}")
+    data = bytearray(bad.read_bytes())
+    data[-2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    (bad.parent / ".tmp-left-by-a-killed-writer").write_bytes(b"partial")
+    spec = f"disk:{tmp_path / 'kv'}"
+
+    stats = json.loads(_cli("store", "stats", "--store", spec).stdout)
+    assert stats[0]["entries"] == 3
+    verify = _cli("store", "verify", "--store", spec)
+    assert json.loads(verify.stdout)[0] == {"tier": "disk", "checked": 3, "dropped": 1}
+    assert "verify disk" in verify.stderr  # the progress bar
+    os.utime(bad.parent / ".tmp-left-by-a-killed-writer", (0, 0))
+    assert json.loads(_cli("store", "gc", "--store", spec).stdout)[0]["temp_files_removed"] == 1
+    _cli("store", "clear", "--store", spec)
+    assert json.loads(_cli("store", "stats", "--store", spec).stdout)[0]["entries"] == 0

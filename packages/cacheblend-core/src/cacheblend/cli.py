@@ -69,6 +69,42 @@ def cmd_ask(args) -> int:
     return 0
 
 
+def cmd_store(args) -> int:
+    """stats | verify | gc | clear over every tier of the store."""
+    from tqdm import tqdm
+
+    from .store import TieredStore, open_store
+
+    store = open_store(_default_store(args.store))
+    tiers = store.tiers if isinstance(store, TieredStore) else [store]
+    out = []
+    for tier in tiers:
+        name = tier.stats().get("tier", type(tier).__name__)
+        if args.action == "stats":
+            out.append(tier.stats())
+        elif args.action == "verify":
+            if hasattr(tier, "verify"):
+                bar = lambda keys, n=name: tqdm(keys, desc=f"verify {n}", unit="entry", file=sys.stderr)  # noqa: E731
+                out.append({"tier": name} | tier.verify(progress=bar))
+        elif args.action == "gc":
+            if hasattr(tier, "gc"):
+                out.append({"tier": name} | tier.gc())
+        elif args.action == "clear":
+            tier.clear()
+            out.append({"tier": name, "cleared": True})
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def _default_store(spec: str | None) -> str:
+    """The CLI's default store is the persistent part of the engine's default."""
+    if spec:
+        return spec
+    from .models.loader import cache_home
+
+    return f"disk:{cache_home() / 'kv'}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="cacheblend", description="CacheBlend: fast RAG prefill with reused chunk KV.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -94,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stats", dest="stats", action="store_false", help="do not print stats JSON on stderr")
     common(p)
     p.set_defaults(func=cmd_ask)
+
+    p = sub.add_parser("store", help="inspect and maintain the KV store")
+    p.add_argument("action", choices=["stats", "verify", "gc", "clear"])
+    p.add_argument("--store", default=None, help="store spec (default: the disk tier under the cache dir)")
+    p.set_defaults(func=cmd_store)
     return ap
 
 

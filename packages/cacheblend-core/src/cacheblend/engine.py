@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from .blend.fusor import FusionReport, KVCache, Segment, decode_step, fused_prefill
+from .blend.controller import LoadingController
 from .blend.selection import BlendConfig
 from .decode import Sampler, SamplingConfig, TextStream
 from .models.decoder import Decoder
@@ -56,6 +57,7 @@ class BlendStats:
     store_rejected: int = 0  # entries found but not trusted (corrupt, foreign): recomputed
     new_tokens: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    controller: dict | None = None  # what the loading controller chose and why
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -88,6 +90,7 @@ class Engine:
         self.decoder = Decoder(loaded.model)
         self.store = store
         self.prefetch = True  # pipelined layer loading; off only to measure its effect
+        self.controller = LoadingController()
         self.device = torch.device(device)
         self.prompts = PromptBuilder(self.tokenizer)
         self._sink = self.prompts.sink_ids(chunk_sink)
@@ -229,7 +232,8 @@ class Engine:
         system: str | None = None,
         preamble: str = "",
         method: str = "blend",
-        recompute_ratio: float = 0.15,
+        recompute_ratio: float | str = 0.15,
+        quality_floor: float = 0.15,
         check_layers: Sequence[int] = (1,),
         deviation: str = "v",
         gradual: bool = False,
@@ -244,7 +248,8 @@ class Engine:
 
         ``system``: system message (None keeps the chat template's default);
         ``preamble``: text before the chunks in the user turn; ``method``;
-        ``recompute_ratio``, ``check_layers``, ``deviation`` (``"v"``, ``"k"``, ``"kv"``),
+        ``recompute_ratio`` (a share, or ``"auto"``: the loading controller picks it, never
+        below ``quality_floor``), ``check_layers``, ``deviation`` (``"v"``, ``"k"``, ``"kv"``),
         ``gradual``: the HKVD selection (see :class:`BlendConfig`); ``max_new_tokens``,
         ``temperature``, ``top_p``, ``stop``, ``seed``: decoding."""
         t0 = time.perf_counter()
@@ -256,9 +261,10 @@ class Engine:
             stop = (stop,)
         if isinstance(chunks, (str, ChunkHandle)):
             chunks = [chunks]
+        auto = recompute_ratio == "auto"
         try:
             blend = BlendConfig(
-                recompute_ratio=recompute_ratio if method == "blend" else 0.0,
+                recompute_ratio=(quality_floor if auto else recompute_ratio) if method == "blend" else 0.0,
                 check_layers=tuple(check_layers),
                 deviation=deviation,
                 gradual=gradual,
@@ -276,7 +282,9 @@ class Engine:
             )
         stats = BlendStats(method=method, recompute_ratio=blend.recompute_ratio)
         stats.seconds["tokenize"] = time.perf_counter() - t0
-        return Generation(self, prompt, handles, method, blend, sampling, stats, t0)
+        run = Generation(self, prompt, handles, method, blend, sampling, stats, t0)
+        run.auto_ratio = auto and method == "blend"
+        return run
 
     def _resolve(self, chunk: ChunkHandle | str) -> ChunkHandle:
         if isinstance(chunk, str):
@@ -322,7 +330,38 @@ class Generation:
         self.engine, self.prompt, self.handles = engine, prompt, handles
         self.method, self.blend, self.sampling, self.stats, self.t0 = method, blend, sampling, stats, t0
         self.result: Result | None = None
+        self.auto_ratio = False  # let the loading controller pick the ratio ...
+        self.floor = blend.recompute_ratio  # ... never below this
         self.pieces = self._pieces()
+
+    def _lazy(self, segments: list[Segment]) -> list[Segment]:
+        return [s for s in segments if s.cached is not None and not isinstance(s.cached, ChunkKV)]
+
+    def _layer_bytes(self, segments: list[Segment]) -> int:
+        shape = self.engine.decoder.shape
+        per_token = 2 * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+        return per_token * sum(len(s.token_ids) for s in segments)
+
+    def _control(self, segments: list[Segment]) -> None:
+        """Let the loading controller pick the ratio for where these caches come from."""
+        reused = [s for s in segments if s.cached is not None and not s.exact]
+        lazy = self._lazy(segments)
+        tier = lazy[0].cached.tier if lazy else "memory"  # type: ignore[union-attr]
+        fixed = sum(len(s.token_ids) for s in segments if s.cached is None)
+        d = self.engine.controller.decide(sum(len(s.token_ids) for s in reused), fixed,
+                                          self._layer_bytes(lazy), tier, floor=self.floor)
+        self.blend = replace(self.blend, recompute_ratio=d.ratio)
+        self.stats.recompute_ratio = d.ratio
+        self.stats.controller = d.as_dict() | {"floor": self.floor}
+
+    def _observe(self, segments: list[Segment], report: FusionReport) -> None:
+        ctl = self.engine.controller
+        ctl.observe_compute(report.compute_s, sum(report.active_per_layer))
+        lazy = self._lazy(segments)
+        tiers = {s.cached.tier for s in lazy}  # type: ignore[union-attr]
+        if len(tiers) == 1 and report.load_s > 0:
+            ctl.observe_load(tiers.pop(), self._layer_bytes(lazy) * self.engine.decoder.shape.num_layers,
+                             report.load_s)
 
     def _pieces(self) -> Iterator[str]:
         eng, stats = self.engine, self.stats
@@ -339,9 +378,12 @@ class Generation:
                 t_lookup = time.perf_counter()
                 segments = eng.segments(self.prompt, self.handles, self.method, counter)
                 stats.seconds["lookup"] = stats.seconds.get("lookup", 0.0) + time.perf_counter() - t_lookup
+                if self.auto_ratio:
+                    self._control(segments)
                 try:
                     report: FusionReport = fused_prefill(eng.decoder, segments, kv, self.blend,
                                                          prefetch=eng.prefetch)
+                    self._observe(segments, report)
                     break
                 except CorruptEntry:
                     counter.corrupt += 1

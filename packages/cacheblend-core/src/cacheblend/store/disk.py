@@ -35,6 +35,8 @@ _TMP_PREFIX = ".tmp-"
 class DiskSource:
     """One verified entry, read a layer at a time (each layer checked against its digest)."""
 
+    tier = "disk"
+
     def __init__(self, store: DiskStore, key: str, path: Path) -> None:
         self._store, self.key = store, key
         try:

@@ -36,6 +36,7 @@ class ChunkKV:
     k: Tensor
     v: Tensor
     meta: dict[str, str] = field(default_factory=dict, compare=False)
+    tier = "memory"
 
     def __post_init__(self) -> None:
         if self.k.shape != self.v.shape or self.k.dim() != 4:

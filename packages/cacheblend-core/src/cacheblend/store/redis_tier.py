@@ -24,6 +24,8 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 class RedisSource:
+    tier = "redis"
+
     def __init__(self, tier: RedisStore, key: str, meta: dict) -> None:
         self._tier, self.key = tier, key
         self.num_layers = int(meta["layers"])
@@ -156,6 +158,26 @@ class RedisStore:
                 r.delete(*names[i : i + 1000])
 
         self._call(drop_all)
+
+    def verify(self, progress=None) -> dict[str, int]:
+        """Read every entry fully; drop the ones that fail. Returns counts."""
+        keys = self.keys()
+        bad = sum(self.get(k) is None for k in (progress(keys) if progress else keys))
+        return {"checked": len(keys), "dropped": bad}
+
+    def gc(self) -> dict[str, int]:
+        """Drop layer values whose entry has no meta (a writer cannot leave these, since
+        writes are transactions, but TTLs or manual deletes can)."""
+        def sweep(r):
+            orphans = 0
+            for name in r.scan_iter(match=f"{self.prefix}:*", count=1000):
+                parts = name.decode().split(":")
+                if parts[-1] != "meta" and not r.exists(self._name(parts[-2], "meta")):
+                    r.delete(name)
+                    orphans += 1
+            return orphans
+
+        return {"orphan_layers_removed": self._call(sweep) or 0}
 
     def stats(self) -> dict:
         info = self._call(lambda r: r.info("memory")) or {}

@@ -44,6 +44,7 @@ class _PromotingSource:
     def __init__(self, store: TieredStore, key: str, source: LayerSource, faster: list[Tier]) -> None:
         self._store, self.key, self._source, self._faster = store, key, source, faster
         self.num_layers, self.num_tokens, self.meta = source.num_layers, source.num_tokens, source.meta
+        self.tier = getattr(source, "tier", "store")
         self._layers: dict[int, tuple] = {}
 
     def layer(self, index: int):
