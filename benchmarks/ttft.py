@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    engine = Engine.load(args.model)
+    engine = Engine.load(args.model, store="memory")  # no background disk writes during timing
     examples = load_qa(args.dataset, args.split, limit=args.limit, passages=args.passages)
     check = tuple(int(x) for x in args.check_layers.split(","))
     variants = [("full", {}), ("prefix", {}), ("reuse", {})] + [
