@@ -7,13 +7,13 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-from cacheblend import Engine
-from cacheblend.models.loader import resolve_model_dir
+from cacheblend import Engine  # noqa: E402
+from cacheblend.models.loader import resolve_model_dir  # noqa: E402
 
 PASSAGES = [
     "Marie Curie was a physicist and chemist who conducted pioneering research on radioactivity. "

@@ -6,7 +6,6 @@ import pytest
 
 from cacheblend import Engine
 from cacheblend.blend.controller import LoadingController
-
 from conftest import PASSAGES, QUERY, make_tiny_model
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from cacheblend.decode import TextStream
-
 from conftest import PASSAGES, QUERY
 
 pytestmark = pytest.mark.slow

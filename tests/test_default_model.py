@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from cacheblend import Engine
-
 from conftest import PASSAGES, QUERY
 
 pytestmark = pytest.mark.slow

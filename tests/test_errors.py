@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from cacheblend import CacheBlendError, ChunkHandle, UnknownChunkError
-
 from conftest import PASSAGES, QUERY
 
 

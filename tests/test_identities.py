@@ -13,7 +13,6 @@ import torch
 from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
 from cacheblend.blend.selection import BlendConfig
 from cacheblend.models.decoder import apply_rope
-
 from conftest import PASSAGES, QUERY
 
 GEN = dict(max_new_tokens=12)

@@ -12,7 +12,6 @@ import torch
 
 from cacheblend import Engine
 from cacheblend.store import ChunkKV, RedisStore
-
 from conftest import PASSAGES, QUERY, make_tiny_model
 
 KEY = "ef" + "2" * 62

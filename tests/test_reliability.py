@@ -14,7 +14,6 @@ import torch
 
 from cacheblend import Engine
 from cacheblend.store import ChunkKV, DiskStore
-
 from conftest import PASSAGES, QUERY, make_tiny_model
 
 GEN = dict(max_new_tokens=6)

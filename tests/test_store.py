@@ -8,7 +8,6 @@ from safetensors import safe_open
 
 from cacheblend import Engine
 from cacheblend.store import ChunkKV, DiskStore, MemoryStore, TieredStore, open_store, parse_size
-
 from conftest import PASSAGES, QUERY
 
 KEY_A, KEY_B = "ab" + "0" * 62, "cd" + "1" * 62

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .blend.fusor import FusionReport, KVCache, Segment, decode_step, fused_prefill
 from .blend.controller import LoadingController
+from .blend.fusor import FusionReport, KVCache, Segment, decode_step, fused_prefill
 from .blend.selection import BlendConfig
 from .decode import Sampler, SamplingConfig, TextStream
 from .models.decoder import Decoder

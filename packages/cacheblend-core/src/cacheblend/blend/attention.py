@@ -58,7 +58,7 @@ class AttentionPlan:
             return  # the plain causal kernel is exact and fastest
         n_buckets = max(1, min(_BUCKETS, m // _MIN_BUCKET))
         bounds = torch.linspace(0, m, n_buckets + 1).round().long().tolist()
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             pos = q_pos[a:b]
             end = int(pos[-1]) + 1
             start = 0 if window is None else max(0, int(pos[0]) - window + 1)

@@ -84,4 +84,7 @@ class LoadingController:
             return None
         budget = c * (floor * candidates + fixed_tokens)
         fits = [(bw, t) for t, bw in self.bandwidth.items() if bytes_per_layer / bw <= budget]
-        return min(fits)[1] if fits else (max(self.bandwidth.items(), key=lambda x: x[1])[0] if self.bandwidth else None)
+        if fits:
+            return min(fits)[1]
+        # Nothing hides the load: the fastest measured tier costs the least TTFT.
+        return max(self.bandwidth, key=self.bandwidth.__getitem__) if self.bandwidth else None

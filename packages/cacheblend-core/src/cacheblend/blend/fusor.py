@@ -139,7 +139,7 @@ def fused_prefill(
     try:
         for layer in range(shape.num_layers):
             cached = loader.layer(layer)
-            for (a, b, _), (ck, cv) in zip(reused_spans, cached):  # re-positioning: RoPE at real offsets
+            for (a, b, _), (ck, cv) in zip(reused_spans, cached, strict=True):  # re-positioning: RoPE at real offsets
                 kv.k[layer, :, a:b] = apply_rope(ck, cos[a:b], sin[a:b])
                 kv.v[layer, :, a:b] = cv
             x = dec.attn_input(layer, h)
@@ -149,7 +149,7 @@ def fused_prefill(
             _write(kv, layer, active, apply_rope(k, cos[active], sin[active]), v)
 
             if layer in checks and 0.0 < ratio < 1.0:
-                approx_kv = [c for (_, _, s), c in zip(reused_spans, cached) if not s.exact]
+                approx_kv = [c for (_, _, s), c in zip(reused_spans, cached, strict=True) if not s.exact]
                 keep = _check(config, checks[layer], active, candidate, row_of, approx_kv, k, v, n_candidates)
                 if keep is not None:  # HKVD tokens (and uncached ones) go on; the rest keep fresh K/V here
                     active, h, x = active[keep], h[keep], x[keep]

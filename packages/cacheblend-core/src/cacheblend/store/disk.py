@@ -15,6 +15,7 @@ eviction within the byte budget.  No pickle anywhere: safetensors and SQLite onl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import tempfile
@@ -25,8 +26,9 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from .entry import ChunkKV, CorruptEntry, layer_digest
+from .entry import ChunkKV, CorruptEntry, layer_digest, read_entry, verify_entries
 
+log = logging.getLogger("cacheblend.store")
 FORMAT = "cacheblend-kv"
 VERSION = "2"
 _TMP_PREFIX = ".tmp-"
@@ -64,12 +66,6 @@ class DiskSource:
             self._store._condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} fails its checksum")
         return k, v
-
-    def read_all(self) -> ChunkKV:
-        import torch
-
-        layers = [self.layer(i) for i in range(self.num_layers)]
-        return ChunkKV(torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]), dict(self.meta))
 
 
 class DiskStore:
@@ -141,13 +137,7 @@ class DiskStore:
         return source
 
     def get(self, key: str) -> ChunkKV | None:
-        source = self.open(key)
-        if source is None:
-            return None
-        try:
-            return source.read_all()
-        except CorruptEntry:
-            return None
+        return read_entry(self.open(key))
 
     def _condemn(self, key: str) -> None:
         """Count and remove an entry that failed verification."""
@@ -188,6 +178,9 @@ class DiskStore:
             with self._lock:
                 self.write_errors += 1
                 self.last_error = f"{type(e).__name__}: {e}"
+            if self.write_errors == 1:  # say so once; the stats keep counting
+                log.warning("disk tier %s cannot be written (%s); carrying on with the other tiers",
+                            self.root, self.last_error)
             return False
         return True
 
@@ -237,12 +230,7 @@ class DiskStore:
     # -- maintenance ---------------------------------------------------------------
     def verify(self, progress=None) -> dict[str, int]:
         """Read every entry fully; drop the ones that fail. Returns counts."""
-        keys = self.keys()
-        bad = 0
-        for key in progress(keys) if progress else keys:
-            if self.get(key) is None:
-                bad += 1
-        return {"checked": len(keys), "dropped": bad}
+        return verify_entries(self, progress)
 
     def gc(self, older_than_s: float = 3600.0) -> dict[str, int]:
         """Remove temp files left by killed writers and index rows whose file is gone."""

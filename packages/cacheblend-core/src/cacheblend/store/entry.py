@@ -65,3 +65,24 @@ def layer_bytes(k: Tensor, v: Tensor) -> bytes:
 
 def layer_digest(k: Tensor, v: Tensor) -> str:
     return hashlib.sha256(layer_bytes(k, v)).hexdigest()
+
+
+def stack_layers(layers: list[tuple[Tensor, Tensor]], meta: dict[str, str]) -> ChunkKV:
+    return ChunkKV(torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]), dict(meta))
+
+
+def read_entry(source: LayerSource | None) -> ChunkKV | None:
+    """Every layer of ``source`` (each verified by its tier), or None if any fails."""
+    if source is None:
+        return None
+    try:
+        return stack_layers([source.layer(i) for i in range(source.num_layers)], source.meta)
+    except CorruptEntry:
+        return None
+
+
+def verify_entries(tier, progress=None) -> dict[str, int]:
+    """Read every entry of ``tier`` fully; the tier drops those that fail."""
+    keys = tier.keys()
+    dropped = sum(tier.get(k) is None for k in (progress(keys) if progress else keys))
+    return {"checked": len(keys), "dropped": dropped}

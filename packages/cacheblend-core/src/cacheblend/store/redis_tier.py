@@ -13,13 +13,15 @@ reconnects on the next command.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
 import torch
 
-from .entry import ChunkKV, CorruptEntry, layer_bytes, layer_digest
+from .entry import ChunkKV, CorruptEntry, layer_bytes, layer_digest, read_entry, verify_entries
 
+log = logging.getLogger("cacheblend.store")
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -54,10 +56,6 @@ class RedisSource:
             raise CorruptEntry(f"{self.key}: layer {index} fails its checksum")
         return k, v
 
-    def read_all(self) -> ChunkKV:
-        layers = [self.layer(i) for i in range(self.num_layers)]
-        return ChunkKV(torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]), dict(self.meta))
-
 
 class RedisStore:
     """A tier on a Redis server given as ``redis://HOST:PORT/DB``."""
@@ -89,6 +87,8 @@ class RedisStore:
                 self.unreachable += 1
                 self.last_error = f"{type(e).__name__}: {e}"
                 self._down_until = time.monotonic() + self.backoff_s
+            log.warning("redis tier %s unreachable (%s); local tiers serve, retry in %.0f s",
+                        self.url, self.last_error, self.backoff_s)
             return None
 
     @property
@@ -110,13 +110,7 @@ class RedisStore:
             return None
 
     def get(self, key: str) -> ChunkKV | None:
-        source = self.open(key)
-        if source is None:
-            return None
-        try:
-            return source.read_all()
-        except CorruptEntry:
-            return None
+        return read_entry(self.open(key))
 
     def put(self, key: str, kv: ChunkKV) -> bool:
         meta = {str(k): str(v) for k, v in kv.meta.items()} | {
@@ -161,9 +155,7 @@ class RedisStore:
 
     def verify(self, progress=None) -> dict[str, int]:
         """Read every entry fully; drop the ones that fail. Returns counts."""
-        keys = self.keys()
-        bad = sum(self.get(k) is None for k in (progress(keys) if progress else keys))
-        return {"checked": len(keys), "dropped": bad}
+        return verify_entries(self, progress)
 
     def gc(self) -> dict[str, int]:
         """Drop layer values whose entry has no meta (a writer cannot leave these, since

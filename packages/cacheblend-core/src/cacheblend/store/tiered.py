@@ -15,9 +15,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
-from .entry import ChunkKV, LayerSource
+from .entry import ChunkKV, LayerSource, stack_layers
 
 
 class Tier(Protocol):
@@ -51,8 +49,7 @@ class _PromotingSource:
         kv = self._source.layer(index)
         self._layers[index] = kv
         if len(self._layers) == self.num_layers:
-            whole = ChunkKV(torch.stack([self._layers[i][0] for i in range(self.num_layers)]),
-                            torch.stack([self._layers[i][1] for i in range(self.num_layers)]), dict(self.meta))
+            whole = stack_layers([self._layers[i] for i in range(self.num_layers)], self.meta)
             for tier in self._faster:
                 tier.put(self.key, whole)
         return kv
