@@ -58,13 +58,22 @@ class ChunkKV:
         return self.k[index], self.v[index]
 
 
+def _raw(t: Tensor):
+    """A zero-copy byte view of ``t`` (any dtype, bfloat16 included)."""
+    return t.contiguous().view(torch.uint8).numpy()
+
+
 def layer_bytes(k: Tensor, v: Tensor) -> bytes:
     """The raw bytes of one layer (k then v), as stored and checksummed."""
-    return k.contiguous().view(torch.uint8).numpy().tobytes() + v.contiguous().view(torch.uint8).numpy().tobytes()
+    return _raw(k).tobytes() + _raw(v).tobytes()
 
 
 def layer_digest(k: Tensor, v: Tensor) -> str:
-    return hashlib.sha256(layer_bytes(k, v)).hexdigest()
+    """sha256 of :func:`layer_bytes`, hashed from the tensors' memory without copying
+    (it runs on the loader thread beside the fusor, so its CPU time matters)."""
+    h = hashlib.sha256(_raw(k))
+    h.update(_raw(v))
+    return h.hexdigest()
 
 
 def stack_layers(layers: list[tuple[Tensor, Tensor]], meta: dict[str, str]) -> ChunkKV:
