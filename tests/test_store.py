@@ -114,3 +114,10 @@ def test_engine_reuses_disk_entries_across_restarts_and_recomputes_corrupt(tmp_p
     assert healed.token_ids == want.token_ids
     third.store.flush()
     assert third.store.tiers[1].get(handles[1].key) is not None  # replaced
+
+
+def test_default_store_is_bounded(tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHEBLEND_HOME", str(tmp_path))
+    store = open_store(None)
+    assert store.tiers[0].capacity_bytes == 4 * 10**9
+    assert store.tiers[1].capacity_bytes == 20 * 10**9 and store.tiers[1].root == tmp_path / "kv"

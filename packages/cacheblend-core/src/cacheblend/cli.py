@@ -101,8 +101,9 @@ def _default_store(spec: str | None) -> str:
     if spec:
         return spec
     from .models.loader import cache_home
+    from .store import DEFAULT_DISK
 
-    return f"disk:{cache_home() / 'kv'}"
+    return f"disk:{cache_home() / 'kv'}:{DEFAULT_DISK}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,8 @@
 
 Spec strings (``Engine.load(store=...)``): ``"memory"``, ``"memory:2GB"``,
 ``"disk:PATH"``, ``"disk:PATH:50GB"``, ``"redis://HOST:PORT/DB"``, or several joined by
-commas, fastest first.  ``None`` means memory plus a disk tier under the cache dir.
+commas, fastest first.  ``None`` means memory (4 GB) plus a disk tier (20 GB) under the
+cache dir: bounded, because one 600-token chunk of a small model is already ~28 MB.
 """
 
 from __future__ import annotations
@@ -25,12 +26,16 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
+DEFAULT_MEMORY = "4GB"
+DEFAULT_DISK = "20GB"
+
+
 def open_store(spec: str | Tier | None) -> Tier:
     """Build a store from a spec string, or pass a store object through."""
     if spec is None:
         from ..models.loader import cache_home
 
-        spec = f"memory,disk:{cache_home() / 'kv'}"
+        spec = f"memory:{DEFAULT_MEMORY},disk:{cache_home() / 'kv'}:{DEFAULT_DISK}"
     if not isinstance(spec, str):
         return spec
     tiers = [_tier(part.strip()) for part in spec.split(",") if part.strip()]
