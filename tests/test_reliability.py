@@ -90,7 +90,7 @@ _WRITER = """
 import sys, torch
 from cacheblend.store import ChunkKV, DiskStore
 store = DiskStore(sys.argv[1])
-kv = ChunkKV(torch.randn(64, 8, 2048, 64), torch.randn(64, 8, 2048, 64))
+kv = ChunkKV(torch.randn(16, 8, 2048, 64), torch.randn(16, 8, 2048, 64))  # ~134 MB a write
 print("ready", flush=True)
 while True:
     store.put("ab" * 32, kv)
@@ -107,7 +107,7 @@ def test_writer_killed_mid_write_leaves_nothing_half_written(tmp_path):
     proc.wait()
     store = DiskStore(tmp_path)
     kv = store.get("ab" * 32)
-    assert kv is None or kv.k.shape == (64, 8, 2048, 64)  # the whole entry or none of it
+    assert kv is None or kv.k.shape == (16, 8, 2048, 64)  # the whole entry or none of it
     assert store.corrupt == 0
     assert not list(tmp_path.glob("ab/*.safetensors")) or kv is not None
     store.gc(older_than_s=0)
