@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--split", default="dev", choices=["dev", "test"])
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--passages", type=int, default=6)
+    ap.add_argument("--methods", default="full,prefix,reuse,blend", help="comma-separated; full is always run")
     ap.add_argument("--ratios", default="0.15,0.05", help="blend recompute ratios, comma-separated")
     ap.add_argument("--check-layers", default="1")
     ap.add_argument("--model", default=None)
@@ -48,16 +49,18 @@ def main(argv: list[str] | None = None) -> dict:
     engine = Engine.load(args.model, store="memory")  # no background disk writes during timing
     examples = load_qa(args.dataset, args.split, limit=args.limit, passages=args.passages)
     check = tuple(int(x) for x in args.check_layers.split(","))
-    variants = [("full", {}), ("prefix", {}), ("reuse", {})] + [
-        (f"blend@{float(r):g}", {"recompute_ratio": float(r), "check_layers": check})
-        for r in args.ratios.split(",")
-    ]
+    methods = set(args.methods.split(",")) | {"full"}
+    variants = [(m, {}) for m in ("full", "prefix", "reuse") if m in methods]
+    if "blend" in methods:
+        variants += [(f"blend@{float(r):g}", {"recompute_ratio": float(r), "check_layers": check})
+                     for r in args.ratios.split(",")]
     rows: dict[str, dict[str, list[float]]] = {name: {"ttft": [], "agree": [], "kl": []} for name, _ in variants}
     prompt_tokens = []
     for ex in tqdm(examples, desc="examples", file=sys.stderr):
         handles = engine.ingest(ex.passages)  # ingestion, not timed
         common = dict(preamble=QA_PREAMBLE, max_new_tokens=1)
-        engine.generate(ex.query, handles, method="prefix", **common)  # store the prefix cache
+        engine.generate(ex.query, handles, method="prefix", **common)  # store the prefix caches
+        engine.generate(ex.query, handles, method="reuse", **common)
         full_logits = None
         for name, opts in variants:
             method = name.split("@")[0]
