@@ -13,6 +13,7 @@ import torch
 from cacheblend import Engine
 from cacheblend.store import ChunkKV, RedisStore
 from conftest import PASSAGES, QUERY, make_tiny_model
+from sharer import run_sharers
 
 KEY = "ef" + "2" * 62
 
@@ -108,34 +109,11 @@ def test_requests_survive_a_redis_restart(tmp_path, redis_server, default_model_
     assert again.token_ids == want.token_ids
 
 
-_SHARER = """
-import json, sys, torch
-from cacheblend.store import ChunkKV, RedisStore
-store = RedisStore(sys.argv[1], prefix=sys.argv[2])
-seen = bad = 0
-for i in range(80):
-    key = f"{i % 5:064x}"
-    g = torch.Generator().manual_seed(i % 5)
-    want = ChunkKV(torch.randn(6, 2, 400, 16, generator=g), torch.randn(6, 2, 400, 16, generator=g))
-    if i % 2:
-        store.put(key, want)
-    got = store.get(key)
-    if got is not None:
-        seen += 1
-        bad += not (torch.equal(got.k, want.k) and torch.equal(got.v, want.v))
-    if i % 7 == 0:
-        store.delete(key)
-print(json.dumps({"seen": seen, "bad": bad, "corrupt": store.corrupt}))
-"""
-
-
 def test_concurrent_writers_never_show_a_partial_entry(redis_server):
-    import json
-
-    prefix = f"conc{time.monotonic_ns()}"
-    procs = [subprocess.Popen([sys.executable, "-c", _SHARER, redis_server.url, prefix], stdout=subprocess.PIPE,
-                              text=True) for _ in range(3)]
-    outs = [json.loads(p.communicate(timeout=300)[0].splitlines()[-1]) for p in procs]
-    assert all(o["bad"] == 0 and o["corrupt"] == 0 for o in outs), outs  # never a wrong or partial entry
-    assert sum(o["seen"] for o in outs) > 0
-    RedisStore(redis_server.url, prefix=prefix).clear()
+    url = redis_server.url.rsplit("/", 1)[0] + "/5"  # a database of its own
+    try:
+        outs = run_sharers(url, processes=3, rounds=80, delete_every=7)
+        assert all(o["bad"] == 0 and o["corrupt"] == 0 for o in outs), outs  # never a wrong or partial entry
+        assert sum(o["seen"] for o in outs) > 0
+    finally:
+        redis.Redis.from_url(url).flushdb()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import torch
 from cacheblend import Engine
 from cacheblend.store import ChunkKV, DiskStore
 from conftest import PASSAGES, QUERY, make_tiny_model
+from sharer import run_sharers
 
 GEN = dict(max_new_tokens=6)
 
@@ -114,30 +114,9 @@ def test_writer_killed_mid_write_leaves_nothing_half_written(tmp_path):
     assert not list(tmp_path.glob("ab/.tmp-*"))
 
 
-_SHARER = """
-import json, sys, torch
-from cacheblend.store import ChunkKV, DiskStore
-store = DiskStore(sys.argv[1], capacity_bytes=int(sys.argv[2]))
-seen = bad = 0
-for i in range(60):
-    key = f"{i % 6:064x}"
-    g = torch.Generator().manual_seed(i % 6)
-    want = ChunkKV(torch.randn(4, 2, 300, 16, generator=g), torch.randn(4, 2, 300, 16, generator=g))
-    if i % 2:
-        store.put(key, want)
-    got = store.get(key)
-    if got is not None:
-        seen += 1
-        bad += not (torch.equal(got.k, want.k) and torch.equal(got.v, want.v))
-print(json.dumps({"seen": seen, "bad": bad, "corrupt": store.corrupt}))
-"""
-
-
 def test_two_processes_share_one_disk_store(tmp_path):
     cap = 4 * 160_000
-    procs = [subprocess.Popen([sys.executable, "-c", _SHARER, str(tmp_path), str(cap)], stdout=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    outs = [json.loads(p.communicate(timeout=300)[0].splitlines()[-1]) for p in procs]
+    outs = run_sharers(f"disk:{tmp_path}:{cap}", processes=2, rounds=60)
     assert all(o["bad"] == 0 and o["corrupt"] == 0 for o in outs), outs
     assert sum(o["seen"] for o in outs) > 0
     files = sum(p.stat().st_size for p in tmp_path.glob("??/*.safetensors"))
