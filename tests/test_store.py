@@ -121,3 +121,14 @@ def test_default_store_is_bounded(tmp_path, monkeypatch):
     store = open_store(None)
     assert store.tiers[0].capacity_bytes == 4 * 10**9
     assert store.tiers[1].capacity_bytes == 20 * 10**9 and store.tiers[1].root == tmp_path / "kv"
+
+
+def test_entry_evicted_by_another_process_is_a_miss_not_corruption(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    store = DiskStore(tmp_path)
+    store.put(KEY_A, _kv())
+    store.path(KEY_A).unlink()  # another process evicts the entry ...
+    monkeypatch.setattr(Path, "is_file", lambda self: True)  # ... just after this one saw it
+    assert store.open(KEY_A) is None
+    assert store.corrupt == 0

@@ -43,6 +43,11 @@ class DiskSource:
         self._store, self.key = store, key
         try:
             self._file = safe_open(str(path), framework="pt")
+        except FileNotFoundError:
+            raise  # evicted by another process since it was looked up: a miss, not corruption
+        except Exception as e:
+            raise CorruptEntry(f"{path}: {e}") from e
+        try:
             meta = self._file.metadata() or {}
             ok = meta.get("format") == FORMAT and meta.get("version") == VERSION and meta.get("key") == key
             self.num_layers = int(meta["layers"])
@@ -130,6 +135,8 @@ class DiskStore:
             return None
         try:
             source = DiskSource(self, key, path)
+        except FileNotFoundError:
+            return None
         except CorruptEntry:
             self._condemn(key)
             return None
