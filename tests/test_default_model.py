@@ -57,12 +57,20 @@ def test_blend_is_closer_to_full_than_reuse(default_engine):
     assert blend.stats.store_hits == len(handles) + 1  # every chunk and the system prefix
 
 
-def test_bfloat16(default_model_dir):
+def test_bfloat16(default_model_dir, default_engine):
     engine = Engine.load(default_model_dir, dtype="bfloat16", store="memory")
     handles = engine.ingest(PASSAGES[:2])
     assert engine.store.get(handles[0].key).k.dtype == torch.bfloat16
     full = engine.generate(QUERY, handles, method="full", max_new_tokens=8)
     b1 = engine.generate(QUERY, handles, method="blend", recompute_ratio=1.0, max_new_tokens=8)
-    torch.testing.assert_close(b1.first_token_logits, full.first_token_logits, atol=0.1, rtol=0.05)
-    assert b1.token_ids[:1] == full.token_ids[:1]
+    # bfloat16 rounds logits of 30-60 in steps of 0.125-0.25 and the bucketed attention
+    # sums in another order than full prefill, so the two are not bit-close (CPUs with
+    # native bf16 kernels put single elements 0.4 apart).  What must hold: blend at r=1
+    # is as close to the float32 answer as bfloat16 full prefill is.
+    ref = default_engine.generate(QUERY, PASSAGES[:2], method="full", max_new_tokens=1).first_token_logits
+    err_full = (full.first_token_logits.float() - ref).abs()
+    err_blend = (b1.first_token_logits.float() - ref).abs()
+    assert err_blend.mean() < 1.5 * err_full.mean() + 0.02, (err_blend.mean(), err_full.mean())
+    assert err_blend.max() < 1.0
+    assert b1.token_ids[:1] == full.token_ids[:1] == [int(ref.argmax())]
     assert engine.fingerprint != Engine.load(default_model_dir, store="memory").fingerprint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -15,11 +16,18 @@ from .blend.selection import BlendConfig
 from .decode import Sampler, SamplingConfig, TextStream
 from .models.decoder import Decoder
 from .models.loader import LoadedModel, load_model
+from .passages import PassageIndex, Piece, cut
 from .prompt import PromptBuilder, PromptIds
 from .store import ChunkKV, CorruptEntry, LayerSource, Tier, chunk_key, open_store
+from .store.entry import PrefixView
 
 METHODS = ("full", "prefix", "reuse", "blend")
+ROLES = ("system", "user", "assistant")
 _ATTEMPTS = 3
+
+
+_SHARED: dict[tuple, Engine] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 class CacheBlendError(ValueError):
@@ -55,6 +63,8 @@ class BlendStats:
     store_hits: int = 0
     store_misses: int = 0
     store_rejected: int = 0  # entries found but not trusted (corrupt, foreign): recomputed
+    chunks: int = 0  # chunks in the prompt (given, or found in its text)
+    chunks_learned: int = 0  # of those, paragraphs not known before, now cached
     new_tokens: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     controller: dict | None = None  # what the loading controller chose and why
@@ -72,6 +82,18 @@ class Result:
     finish_reason: str = "length"
     first_token_logits: torch.Tensor | None = field(default=None, repr=False)
     hkvd_positions: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """Token counts as OpenAI-style APIs report them; ``cached_tokens`` are prompt
+        tokens whose K/V came from a cache (reused chunks not recomputed, exact prefix)."""
+        s = self.stats
+        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
+                "total_tokens": s.prompt_tokens + s.new_tokens, "cached_tokens": s.reused_tokens}
+
+    def metadata(self) -> dict:
+        """TTFT, finish reason and the blend stats, for a framework's response metadata."""
+        return {"ttft_s": self.ttft_s, "finish_reason": self.finish_reason, **self.stats.as_dict()}
 
 
 class Engine:
@@ -93,6 +115,10 @@ class Engine:
         self.controller = LoadingController()
         self.device = torch.device(device)
         self.prompts = PromptBuilder(self.tokenizer)
+        self._separator = self.prompts.encode(self.prompts.chunk_separator)
+        self.passages = PassageIndex()  # texts of cached chunks, to find them in formatted prompts
+        self.learn_min_chars = 200  # paragraphs this long in a prompt become chunks (start_chat)
+        self._prefill_lock = threading.Lock()  # store and controller are shared; decode is not
         self._sink = self.prompts.sink_ids(chunk_sink)
         self.chunk_policy = "chunk:sink=" + ",".join(map(str, self._sink))
         eos = self.tokenizer.eos_token_id
@@ -115,6 +141,20 @@ class Engine:
         loaded = load_model(model, device=device, dtype=dtype)
         return cls(loaded, open_store(store), device=device, chunk_sink=chunk_sink)
 
+    @classmethod
+    def shared(cls, model: str | os.PathLike | None = None, *, store: str | None = None, **options) -> Engine:
+        """One engine per (model, store spec, options) in this process, so that every
+        framework object built on the same model shares its weights, store and the
+        passages it knows.  ``store`` must be a spec string (or None, the default)."""
+        if store is not None and not isinstance(store, str):
+            raise CacheBlendError("Engine.shared takes a store spec string; pass a store object to Engine.load")
+        key = (str(model) if model is not None else None, store, tuple(sorted((k, str(v)) for k, v in options.items())))
+        with _SHARED_LOCK:
+            engine = _SHARED.get(key)
+            if engine is None:
+                engine = _SHARED[key] = cls.load(model, store=store, **options)
+        return engine
+
     @property
     def context_length(self) -> int:
         return self.decoder.shape.max_positions
@@ -128,8 +168,25 @@ class Engine:
         for text in texts:
             ids = self.prompts.chunk_ids(text)
             handles.append(self._handle(ids))
-            self._chunk_kv(handles[-1], _Counter())
+            with self._prefill_lock:
+                self._chunk_kv(handles[-1], _Counter())
+            self.passages.add(text)
         return handles
+
+    def release(self, chunks: Iterable[ChunkHandle | str] | str) -> int:
+        """Forget chunks (texts or handles) and delete their caches from every tier, e.g.
+        when the documents they came from leave an index.  Returns how many were stored."""
+        if isinstance(chunks, (str, ChunkHandle)):
+            chunks = [chunks]
+        removed = 0
+        for c in chunks:
+            if isinstance(c, str):
+                self.passages.discard(c)
+                c = self._handle(self.prompts.chunk_ids(c))
+            if not isinstance(c, ChunkHandle):
+                raise CacheBlendError(f"release takes ChunkHandle or str, got {type(c).__name__}")
+            removed += bool(self.store.delete(c.key))
+        return removed
 
     def _handle(self, ids: list[int]) -> ChunkHandle:
         return ChunkHandle(
@@ -172,7 +229,17 @@ class Engine:
         return ChunkKV(out_k, out_v)
 
     def _chunk_kv(self, handle: ChunkHandle, counter: _Counter) -> LayerSource:
-        return self._lookup(handle.key, handle.token_ids, self.precompute_chunk, counter)
+        """A chunk is stored followed by the chunk separator; one that a template puts
+        elsewhere (not followed by a blank line) is served from that same entry's first
+        tokens (:class:`PrefixView`), so each passage is computed and stored once."""
+        ids = list(handle.token_ids)
+        sep = self._separator
+        if not sep or ids[-len(sep):] == sep:
+            return self._lookup(handle.key, ids, self.precompute_chunk, counter)
+        full = ids + sep
+        source = self._lookup(chunk_key(self.fingerprint, full, self.chunk_policy), full, self.precompute_chunk,
+                              counter)
+        return PrefixView(source, len(ids))
 
     def _prefix_kv(self, ids: list[int], counter: _Counter) -> LayerSource:
         """Exact K/V of a prompt prefix computed at position 0 (prefix caching)."""
@@ -255,12 +322,132 @@ class Engine:
         t0 = time.perf_counter()
         if not isinstance(query, str) or not query.strip():
             raise CacheBlendError("query must be a non-empty string")
+        if isinstance(chunks, (str, ChunkHandle)):
+            chunks = [chunks]
+        handles = [self._resolve(c) for c in chunks]
+        prompt = self.prompts.build(query, [list(h.token_ids) for h in handles], system, preamble)
+        return self._begin(prompt, handles, t0, method=method, recompute_ratio=recompute_ratio,
+                           quality_floor=quality_floor, check_layers=check_layers, deviation=deviation,
+                           gradual=gradual, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, stop=stop, seed=seed)
+
+    def start_chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        documents: Sequence[str] = (),
+        *,
+        learn: bool = True,
+        **options,
+    ) -> Generation:
+        """Answer a chat whose messages may already hold the passages, formatted any way.
+
+        Known passages (ingested, given as ``documents``, or learned before) are found in
+        the message contents by their text and reused wherever they sit; with ``learn``,
+        long paragraphs of system and user contents that are not known yet become chunks
+        (cached now, reused next time), except the last paragraph of the last message.
+        ``documents`` not already in the messages go in front of the last user message.
+        Options are those of :meth:`start` except ``system``/``preamble``/``chunks``."""
+        t0 = time.perf_counter()
+        msgs = self._messages(messages)
+        docs = self._documents(documents)
+        for d in docs:
+            self.passages.add(d)
+        missing = [d for d in docs if not any(d in m["content"] for m in msgs)]
+        if missing:
+            users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+            if not users:
+                raise CacheBlendError("documents need a user message to go in front of")
+            last = users[-1]
+            msgs[last] = {"role": "user", "content": "".join(d + "\n\n" for d in missing) + msgs[last]["content"]}
+        pieces: list[Piece] = []
+        for text, i in self.prompts.chat_parts(msgs):
+            if i is None:
+                pieces.append(Piece(text))
+                continue
+            learnable = learn and msgs[i]["role"] in ("system", "user")
+            pieces += cut(text, self.passages, self.learn_min_chars if learnable else None,
+                          keep_tail=i == len(msgs) - 1)
+        prompt, handles = self._layout(pieces)
+        learned = [p.passage for p in pieces if p.learned and p.passage]
+        for passage in learned:
+            self.passages.add(passage)
+        run = self._begin(prompt, handles, t0, **options)
+        run.stats.chunks_learned = len(learned)
+        return run
+
+    def _messages(self, messages) -> list[dict[str, str]]:
+        if isinstance(messages, (str, dict)) or not messages:
+            raise CacheBlendError("messages must be a non-empty list of {'role', 'content'} dicts")
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise CacheBlendError(
+                    f"message {i} must be a dict with role in {ROLES} and string content, got {m!r:.80}"
+                )
+            out.append({"role": m["role"], "content": m["content"]})
+        if not any(m["content"].strip() for m in out):
+            raise CacheBlendError("every message is empty")
+        return out
+
+    def _documents(self, documents) -> list[str]:
+        if isinstance(documents, str):
+            documents = [documents]
+        docs = []
+        for d in documents:
+            if not isinstance(d, str) or not d.strip():
+                raise CacheBlendError(f"a document must be a non-empty string, got {d!r:.80}")
+            docs.append(d)
+        return docs
+
+    def _layout(self, pieces: list[Piece]) -> tuple[PromptIds, list[ChunkHandle]]:
+        """Token ids of the pieces, each tokenized on its own: text before the first chunk
+        is the exact prefix, text between chunks gaps, the rest the suffix."""
+        while pieces and pieces[-1].passage is not None:  # the last token must be computed
+            pieces[-1] = Piece(pieces[-1].text)
+        runs: list[tuple[str, bool]] = []
+        for p in pieces:
+            chunk = p.passage is not None
+            if runs and not chunk and not runs[-1][1]:
+                runs[-1] = (runs[-1][0] + p.text, False)
+            elif p.text:
+                runs.append((p.text, chunk))
+        if not any(chunk for _, chunk in runs):
+            return PromptIds([], [], self.prompts.encode("".join(t for t, _ in runs))), []
+        prefix = self.prompts.encode(runs.pop(0)[0]) if not runs[0][1] else []
+        chunks, gaps, handles = [], [], []
+        for text, chunk in runs[:-1]:
+            if chunk:
+                ids = self.prompts.encode(text)
+                chunks.append(ids)
+                gaps.append([])
+                handles.append(self._handle(ids))
+            else:
+                gaps[-1] = self.prompts.encode(text)
+        suffix = self.prompts.encode(runs[-1][0])
+        return PromptIds(prefix, chunks, suffix, tuple(gaps)), handles
+
+    def _begin(
+        self,
+        prompt: PromptIds,
+        handles: list[ChunkHandle],
+        t0: float,
+        *,
+        method: str = "blend",
+        recompute_ratio: float | str = 0.15,
+        quality_floor: float = 0.15,
+        check_layers: Sequence[int] = (1,),
+        deviation: str = "v",
+        gradual: bool = False,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+    ) -> Generation:
         if method not in METHODS:
             raise CacheBlendError(f"method must be one of {METHODS}, got {method!r}")
         if isinstance(stop, str):
             stop = (stop,)
-        if isinstance(chunks, (str, ChunkHandle)):
-            chunks = [chunks]
         auto = recompute_ratio == "auto"
         try:
             blend = BlendConfig(
@@ -271,16 +458,14 @@ class Engine:
             )
             blend.validate_for(self.decoder.shape.num_layers)
             sampling = SamplingConfig(max_new_tokens, float(temperature), float(top_p), tuple(stop), seed)
-        except ValueError as e:
+        except (TypeError, ValueError) as e:
             raise CacheBlendError(str(e)) from e
-        handles = [self._resolve(c) for c in chunks]
-        prompt = self.prompts.build(query, [list(h.token_ids) for h in handles], system, preamble)
         n = len(prompt.all_ids)
         if n >= self.context_length:
             raise CacheBlendError(
                 f"prompt of {n} tokens does not fit the model's context of {self.context_length} tokens"
             )
-        stats = BlendStats(method=method, recompute_ratio=blend.recompute_ratio)
+        stats = BlendStats(method=method, recompute_ratio=blend.recompute_ratio, chunks=len(handles))
         stats.seconds["tokenize"] = time.perf_counter() - t0
         run = Generation(self, prompt, handles, method, blend, sampling, stats, t0)
         run.auto_ratio = auto and method == "blend"
@@ -303,13 +488,17 @@ class Engine:
         """The prompt as segments with the caches ``method`` may use."""
         if method == "full":
             return [Segment(prompt.all_ids)]
+        body = prompt.body()
         if method == "prefix":
-            head = prompt.prefix + (prompt.chunks[0] if prompt.chunks else [])
-            rest = [t for c in prompt.chunks[1:] for t in c] + prompt.suffix
+            first = next((i for i, (_, chunk) in enumerate(body) if chunk), None)
+            head = prompt.prefix + (body[first][0] if first is not None else [])
+            rest = [t for ids, _ in body[(first + 1 if first is not None else 0):] for t in ids]
             return [Segment(head, self._prefix_kv(head, counter), exact=True), Segment(rest)]
         segs = [Segment(prompt.prefix, self._prefix_kv(prompt.prefix, counter), exact=True)] if prompt.prefix else []
-        segs += [Segment(h.token_ids, self._chunk_kv(h, counter)) for h in handles]
-        return segs + [Segment(prompt.suffix)]
+        chunk_handles = iter(handles)
+        for ids, chunk in body:
+            segs.append(Segment(ids, self._chunk_kv(next(chunk_handles), counter)) if chunk else Segment(ids))
+        return segs
 
 
 @dataclass
@@ -335,7 +524,10 @@ class Generation:
         self.pieces = self._pieces()
 
     def _lazy(self, segments: list[Segment]) -> list[Segment]:
-        return [s for s in segments if s.cached is not None and not isinstance(s.cached, ChunkKV)]
+        def lazy(src) -> bool:
+            return not isinstance(src.source if isinstance(src, PrefixView) else src, ChunkKV)
+
+        return [s for s in segments if s.cached is not None and lazy(s.cached)]
 
     def _layer_bytes(self, segments: list[Segment]) -> int:
         shape = self.engine.decoder.shape
@@ -363,14 +555,11 @@ class Generation:
             ctl.observe_load(tiers.pop(), self._layer_bytes(lazy) * self.engine.decoder.shape.num_layers,
                              report.load_s)
 
-    def _pieces(self) -> Iterator[str]:
+    def _prefill(self, kv: KVCache, counter: _Counter) -> FusionReport:
+        """Look the caches up and run the fused prefill, one request at a time (the store
+        and the controller are shared; decoding, with its own KV cache, runs unlocked)."""
         eng, stats = self.engine, self.stats
-        counter = _Counter()
-        with torch.inference_mode():
-            n = len(self.prompt.all_ids)
-            budget = min(self.sampling.max_new_tokens, eng.context_length - n)
-            kv = KVCache(eng.decoder.shape, n + budget, eng.device)
-            t = time.perf_counter()
+        with eng._prefill_lock:
             for attempt in range(_ATTEMPTS):
                 # A cache that fails verification mid-read was dropped by its tier; look
                 # up again (it is recomputed), and bypass the store on the last attempt.
@@ -387,6 +576,17 @@ class Generation:
                     break
                 except CorruptEntry:
                     counter.corrupt += 1
+        return report
+
+    def _pieces(self) -> Iterator[str]:
+        eng, stats = self.engine, self.stats
+        counter = _Counter()
+        with torch.inference_mode():
+            n = len(self.prompt.all_ids)
+            budget = min(self.sampling.max_new_tokens, eng.context_length - n)
+            kv = KVCache(eng.decoder.shape, n + budget, eng.device)
+            t = time.perf_counter()
+            report = self._prefill(kv, counter)
             stats.seconds["lookup"] -= counter.precompute_s
             stats.seconds["precompute"] = counter.precompute_s
             stats.seconds["load"] = report.load_s

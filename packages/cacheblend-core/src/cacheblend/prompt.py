@@ -16,13 +16,26 @@ _SENTINEL = "\u2063CACHEBLEND_CONTENT\u2063"
 
 @dataclass(frozen=True)
 class PromptIds:
+    """``[prefix][chunk 1][gap 1]…[chunk k][suffix]``: the prefix is reused exactly, chunks
+    are blended, gaps (text a template puts between passages) and the suffix are computed."""
+
     prefix: list[int]
     chunks: list[list[int]]
     suffix: list[int]
+    gaps: tuple[list[int], ...] = ()
+
+    def body(self) -> list[tuple[list[int], bool]]:
+        """Everything after the prefix as ``(ids, is_chunk)`` runs, in prompt order."""
+        runs: list[tuple[list[int], bool]] = []
+        for i, chunk in enumerate(self.chunks):
+            runs.append((chunk, True))
+            if i < len(self.gaps) and self.gaps[i]:
+                runs.append((self.gaps[i], False))
+        return runs + [(self.suffix, False)]
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prefix + [t for c in self.chunks for t in c] + self.suffix
+        return self.prefix + [t for ids, _ in self.body() for t in ids]
 
 
 class PromptBuilder:
@@ -59,6 +72,26 @@ class PromptBuilder:
             chunks=chunks,
             suffix=self.encode(query + after),
         )
+
+    def chat_parts(self, messages: list[dict[str, str]]) -> list[tuple[str, int | None]]:
+        """The rendered chat prompt as ``(text, message index)`` parts: the template's own
+        text has index None, each message's content its index.  Rendered once around
+        sentinels so that chunks are looked for in the contents only."""
+        marks = [f"\u2063CB{i}\u2063" for i in range(len(messages))]
+        if self.use_chat_template:
+            marked = [{"role": m["role"], "content": mark} for m, mark in zip(messages, marks, strict=True)]
+            text = self.tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+        else:
+            text = (self.tokenizer.bos_token or "") + "".join(f"{mark}\n" for mark in marks)
+        parts: list[tuple[str, int | None]] = []
+        pos = 0
+        for i, (m, mark) in enumerate(zip(messages, marks, strict=True)):
+            at = text.find(mark, pos)
+            if at < 0:
+                raise ValueError(f"the chat template dropped message {i} (role {m['role']!r})")
+            parts += [(text[pos:at], None), (m["content"], i)]
+            pos = at + len(mark)
+        return parts + [(text[pos:], None)]
 
     def sink_ids(self, policy: str = "bos") -> list[int]:
         """The tokens a chunk is precomputed behind (their K/V then dropped).

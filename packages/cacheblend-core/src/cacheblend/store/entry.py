@@ -58,6 +58,26 @@ class ChunkKV:
         return self.k[index], self.v[index]
 
 
+class PrefixView:
+    """The first ``num_tokens`` tokens of a stored chunk, as a source of their own.
+
+    Attention is causal, so the K/V of a chunk's first n tokens do not depend on what
+    follows them: the cache of ``passage + "\\n\\n"`` holds, exactly, the cache of the
+    passage alone.  One stored entry thus serves a passage followed by a blank line (as
+    the engine joins chunks) and one followed by anything else (as a template may)."""
+
+    def __init__(self, source: LayerSource, num_tokens: int) -> None:
+        if not 0 < num_tokens <= source.num_tokens:
+            raise ValueError(f"a view of {num_tokens} tokens of a {source.num_tokens}-token entry")
+        self.source, self.num_tokens = source, num_tokens
+        self.num_layers, self.meta = source.num_layers, source.meta
+        self.tier = getattr(source, "tier", "memory")
+
+    def layer(self, index: int) -> tuple[Tensor, Tensor]:
+        k, v = self.source.layer(index)
+        return k[:, : self.num_tokens], v[:, : self.num_tokens]
+
+
 def _raw(t: Tensor):
     """A zero-copy byte view of ``t`` (any dtype, bfloat16 included)."""
     return t.contiguous().view(torch.uint8).numpy()

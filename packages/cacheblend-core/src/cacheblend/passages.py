@@ -1,0 +1,164 @@
+"""Finding chunks inside an already formatted prompt, by their text.
+
+Framework chains (LangChain's stuff chain, LlamaIndex's synthesizers, a plain
+``prompt | llm``) hand the model one formatted prompt, with the retrieved passages pasted
+in with whatever separators and labels the template uses.  To reuse their caches we must
+find where each passage sits without relying on a separator convention: the engine
+remembers the text of every chunk it has cached (:class:`PassageIndex`) and looks for
+those texts in the prompt.  Text a prompt holds that is not a known passage can be
+*learned*: paragraphs long enough to be worth caching become new chunks, so the next
+prompt that carries them reuses them (:func:`paragraphs`).
+
+Matching is by text, not token ids, because a passage is tokenized differently inside a
+prompt (a BPE merge across its first or last character) than on its own; the engine
+tokenizes the prompt piece by piece instead, which is what makes a chunk's cache valid
+at any position.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+
+
+@dataclass(frozen=True)
+class Span:
+    """``text[start:end]`` is a chunk; ``learned`` when it was not known before."""
+
+    start: int
+    end: int
+    learned: bool = False
+
+
+class PassageIndex:
+    """The texts of cached chunks, found again in any prompt by content.
+
+    Texts are indexed by their first ``anchor`` characters, so a scan costs one dict
+    lookup per prompt position however many passages are known; shorter texts are
+    searched for directly.  The oldest texts are forgotten past ``capacity`` (their
+    caches stay in the store and are still found by key when the text recurs)."""
+
+    def __init__(self, anchor: int = 48, capacity: int = 200_000) -> None:
+        self.anchor = anchor
+        self.capacity = capacity
+        self._texts: OrderedDict[str, None] = OrderedDict()
+        self._by_anchor: dict[str, set[str]] = {}
+        self._short: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def __contains__(self, text: object) -> bool:
+        return text in self._texts
+
+    def add(self, text: str) -> None:
+        if not text.strip():
+            return
+        if text in self._texts:
+            self._texts.move_to_end(text)
+            return
+        self._texts[text] = None
+        if len(text) >= self.anchor:
+            self._by_anchor.setdefault(text[: self.anchor], set()).add(text)
+        else:
+            self._short.add(text)
+        while len(self._texts) > self.capacity:
+            self.discard(next(iter(self._texts)))
+
+    def discard(self, text: str) -> None:
+        if text not in self._texts:
+            return
+        del self._texts[text]
+        bucket = self._by_anchor.get(text[: self.anchor])
+        if bucket is not None:
+            bucket.discard(text)
+            if not bucket:
+                del self._by_anchor[text[: self.anchor]]
+        self._short.discard(text)
+
+    def find(self, text: str) -> list[Span]:
+        """Non-overlapping spans of known passages in ``text``, left to right; where two
+        candidates start at the same place the longer wins."""
+        starts: dict[int, int] = {}  # start -> longest end
+        if self._by_anchor:
+            a = self.anchor
+            for i in range(len(text) - a + 1):
+                bucket = self._by_anchor.get(text[i : i + a])
+                if bucket:
+                    for cand in bucket:
+                        if text.startswith(cand, i):
+                            starts[i] = max(starts.get(i, 0), i + len(cand))
+        for cand in self._short:
+            i = text.find(cand)
+            while i >= 0:
+                starts[i] = max(starts.get(i, 0), i + len(cand))
+                i = text.find(cand, i + 1)
+        spans, pos = [], 0
+        for start in sorted(starts):
+            if start >= pos:
+                spans.append(Span(start, starts[start]))
+                pos = starts[start]
+        return spans
+
+
+def paragraphs(text: str, min_chars: int) -> list[Span]:
+    """Paragraphs of ``text`` (split at blank lines) of at least ``min_chars`` characters,
+    as learned spans.  Used only on text that holds no known passage: this is a guess at
+    chunk boundaries, made so that a passage seen once is reused the next time."""
+    spans, pos = [], 0
+    for m in [*_PARAGRAPH_BREAK.finditer(text), None]:
+        end = m.start() if m else len(text)
+        body = text[pos:end]
+        lead = len(body) - len(body.lstrip())
+        core = body.strip()
+        if len(core) >= min_chars:
+            spans.append(Span(pos + lead, pos + lead + len(core), learned=True))
+        if m:
+            pos = m.end()
+    return spans
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of prompt text; ``passage`` is set when the run is a chunk (its text without
+    the blank line that may follow it)."""
+
+    text: str
+    passage: str | None = None
+    learned: bool = False
+
+
+def cut(text: str, index: PassageIndex, learn_min_chars: int | None, keep_tail: bool) -> list[Piece]:
+    """``text`` as pieces: known passages, then (when
+    ``learn_min_chars``) long paragraphs of the rest.  A chunk piece takes the blank line
+    after it, as :meth:`PromptBuilder.chunk_ids` does, so a passage ingested on its own and
+    one found in a prompt share a cache.  With ``keep_tail`` the last paragraph (the
+    question) is never learned."""
+    found = index.find(text)
+    if learn_min_chars:
+        gaps, pos = [], 0
+        for s in [*found, Span(len(text), len(text))]:
+            gaps.append((pos, s.start))
+            pos = s.end
+        tail = len(text)
+        if keep_tail:
+            breaks = list(_PARAGRAPH_BREAK.finditer(text))
+            tail = breaks[-1].end() if breaks else 0
+        for a, b in gaps:
+            for s in paragraphs(text[a:min(b, tail)] if a < tail else "", learn_min_chars):
+                found.append(Span(a + s.start, a + s.end, learned=True))
+        found.sort(key=lambda s: s.start)
+    pieces: list[Piece] = []
+    pos = 0
+    for s in found:
+        end = s.end + 2 if text.startswith("\n\n", s.end) else s.end
+        if s.start > pos:
+            pieces.append(Piece(text[pos : s.start]))
+        pieces.append(Piece(text[s.start : end], text[s.start : s.end], s.learned))
+        pos = end
+    if pos < len(text):
+        pieces.append(Piece(text[pos:]))
+    return pieces

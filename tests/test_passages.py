@@ -1,0 +1,120 @@
+"""Chunks found in formatted prompts (``Engine.start_chat``), against full prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheblend import CacheBlendError, Engine
+from cacheblend.passages import PassageIndex, cut, paragraphs
+from cacheblend.store.entry import PrefixView
+from conftest import PASSAGES, QUERY
+
+GEN = dict(max_new_tokens=6)
+
+
+def _run(gen):
+    for _ in gen.pieces:
+        pass
+    return gen.result
+
+
+def test_index_finds_passages_anywhere_longest_first():
+    index = PassageIndex(anchor=8)
+    index.add("alpha beta gamma delta")
+    index.add("alpha beta gamma delta epsilon zeta")  # same start, longer
+    index.add("short")
+    text = "x: alpha beta gamma delta epsilon zeta; y: alpha beta gamma delta. short!"
+    spans = [text[s.start:s.end] for s in index.find(text)]
+    assert spans == ["alpha beta gamma delta epsilon zeta", "alpha beta gamma delta", "short"]
+    index.discard("short")
+    assert "short" not in index and len(index) == 2
+
+
+def test_paragraphs_and_cut_keep_the_question_and_take_the_blank_line():
+    long_a, long_b = "A" * 30, "B" * 30
+    text = f"Intro.\n\n{long_a}\n\n{long_b}\n\nQuestion: {'Q' * 40}"
+    assert [text[s.start:s.end] for s in paragraphs(text, 25)] == [long_a, long_b, "Question: " + "Q" * 40]
+    pieces = cut(text, PassageIndex(), learn_min_chars=25, keep_tail=True)
+    assert [p.passage for p in pieces if p.passage] == [long_a, long_b]
+    assert [p.text for p in pieces if p.passage] == [long_a + "\n\n", long_b + "\n\n"]
+    assert "".join(p.text for p in pieces) == text
+
+
+@pytest.fixture
+def engine(default_model_dir, tmp_path_factory):
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", default_model_dir)
+    return Engine.load(folder, store="memory")
+
+
+def _chat(context: str) -> list[dict]:
+    return [{"role": "system", "content": "Use the sources.\n" + context}, {"role": "user", "content": QUERY}]
+
+
+def test_found_passages_at_ratio_one_equal_full_prefill(engine):
+    engine.ingest(PASSAGES)
+    messages = _chat("".join(f"[{i}] {p} |\n" for i, p in enumerate(PASSAGES)))  # no blank lines
+    full = _run(engine.start_chat(messages, method="full", **GEN))
+    blend1 = _run(engine.start_chat(messages, method="blend", recompute_ratio=1.0, **GEN))
+    reuse = _run(engine.start_chat(messages, method="reuse", **GEN))
+    assert blend1.stats.chunks == reuse.stats.chunks == len(PASSAGES)
+    assert reuse.stats.store_hits == len(PASSAGES) + 1  # every passage (as a prefix view) and the system prefix
+    torch.testing.assert_close(blend1.first_token_logits, full.first_token_logits, atol=1e-3, rtol=1e-3)
+    assert blend1.token_ids == full.token_ids
+    assert not torch.allclose(reuse.first_token_logits, full.first_token_logits, atol=1e-3)
+
+
+def test_prefix_view_is_exactly_the_passage_computed_alone(engine):
+    ids = engine.prompts.encode(PASSAGES[0])
+    with_sep = engine.prompts.chunk_ids(PASSAGES[0])
+    assert with_sep[: len(ids)] == ids
+    stored = engine.precompute_chunk(with_sep)
+    alone = engine.precompute_chunk(ids)
+    view = PrefixView(stored, len(ids))
+    for layer in range(view.num_layers):
+        k, v = view.layer(layer)
+        torch.testing.assert_close(k, alone.k[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, alone.v[layer], atol=1e-5, rtol=1e-5)
+
+
+def test_documents_go_in_front_of_the_question_like_generate(engine):
+    chat = _run(engine.start_chat([{"role": "user", "content": QUERY}], documents=PASSAGES, **GEN))
+    plain = engine.generate(QUERY, PASSAGES, **GEN)
+    assert chat.token_ids == plain.token_ids
+    torch.testing.assert_close(chat.first_token_logits, plain.first_token_logits)
+
+
+def test_learned_paragraphs_are_reused_in_another_order(engine):
+    engine.learn_min_chars = 60
+    first = _run(engine.start_chat(_chat("\n\n" + "\n\n".join(PASSAGES)), **GEN))
+    assert first.stats.chunks_learned == len(PASSAGES)
+    again = _run(engine.start_chat(_chat("\n\n" + "\n\n".join(reversed(PASSAGES))), **GEN))
+    assert again.stats.chunks_learned == 0 and again.stats.store_hits >= len(PASSAGES)
+
+
+def test_release_forgets_passages_and_deletes_caches(engine):
+    handles = engine.ingest(PASSAGES[:2])
+    assert engine.release(PASSAGES[:1]) == 1
+    assert engine.store.open(handles[0].key) is None and engine.store.open(handles[1].key) is not None
+    assert PASSAGES[0] not in engine.passages
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([], "non-empty list"),
+    ("hello", "non-empty list"),
+    ([{"role": "tool", "content": "x"}], "role in"),
+    ([{"role": "user", "content": None}], "string content"),
+    ([{"role": "user", "content": "  "}], "every message is empty"),
+])
+def test_bad_messages_are_named(engine, messages, match):
+    with pytest.raises(CacheBlendError, match=match):
+        engine.start_chat(messages)
+
+
+def test_documents_without_a_user_message_are_refused(engine):
+    with pytest.raises(CacheBlendError, match="need a user message"):
+        engine.start_chat([{"role": "system", "content": "s"}], documents=["a passage"])
+    with pytest.raises(CacheBlendError, match="non-empty string"):
+        engine.start_chat([{"role": "user", "content": "q"}], documents=[""])
