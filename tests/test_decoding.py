@@ -63,3 +63,20 @@ def test_text_stream_holds_back_partial_stop(default_engine):
     s = TextStream(tok, stop=["END"])
     out = "".join(s.push(i) for i in ids) + s.flush()
     assert out == "Hello world. " and s.stopped
+
+
+def test_pieces_can_be_pulled_from_different_threads(default_engine):
+    """Async adapters pull each piece on a worker thread; inference mode is per thread, so
+    the engine must not rely on a mode entered by the thread that started the generation."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = default_engine.generate(QUERY, PASSAGES[:1], max_new_tokens=6).text
+    gen = default_engine.start(QUERY, PASSAGES[:1], max_new_tokens=6)
+    pieces = []
+    for _ in range(64):
+        with ThreadPoolExecutor(max_workers=1) as fresh:  # a new thread for every piece
+            piece = fresh.submit(next, gen.pieces, None).result()
+        if piece is None:
+            break
+        pieces.append(piece)
+    assert "".join(pieces) == expected == gen.result.text

@@ -581,6 +581,8 @@ class Generation:
     def _pieces(self) -> Iterator[str]:
         eng, stats = self.engine, self.stats
         counter = _Counter()
+        # Inference mode is entered per step, not around the generator: a consumer may
+        # pull each piece on another thread (async adapters do), and the mode is per thread.
         with torch.inference_mode():
             n = len(self.prompt.all_ids)
             budget = min(self.sampling.max_new_tokens, eng.context_length - n)
@@ -604,29 +606,31 @@ class Generation:
             stats.recomputed_tokens = report.recomputed_tokens
             stats.computed_tokens = report.computed_tokens
 
-            text = TextStream(eng.tokenizer, self.sampling.stop)
-            tokens: list[int] = []
-            finish = "length"
-            t = time.perf_counter()
-            while True:
-                if token in eng.eos_ids:
-                    finish = "stop"
-                    break
-                tokens.append(token)
-                piece = text.push(token)
-                if piece:
-                    yield piece
-                if text.stopped:
-                    finish = "stop"
-                    break
-                if len(tokens) >= budget:
-                    break
-                token = sampler(decode_step(eng.decoder, kv, token))
-            tail = text.flush()
-            if tail:
-                yield tail
-            stats.seconds["decode"] = time.perf_counter() - t
-            stats.new_tokens = len(tokens)
+        text = TextStream(eng.tokenizer, self.sampling.stop)
+        tokens: list[int] = []
+        finish = "length"
+        t = time.perf_counter()
+        while True:
+            if token in eng.eos_ids:
+                finish = "stop"
+                break
+            tokens.append(token)
+            piece = text.push(token)
+            if piece:
+                yield piece
+            if text.stopped:
+                finish = "stop"
+                break
+            if len(tokens) >= budget:
+                break
+            with torch.inference_mode():
+                logits = decode_step(eng.decoder, kv, token)
+            token = sampler(logits)
+        tail = text.flush()
+        if tail:
+            yield tail
+        stats.seconds["decode"] = time.perf_counter() - t
+        stats.new_tokens = len(tokens)
         self.result = Result(
             text=text.text,
             token_ids=tokens,
