@@ -1,0 +1,52 @@
+"""The stuff pattern with passages handed to the model as chunks.
+
+LangChain's ``create_retrieval_chain(retriever, create_stuff_documents_chain(llm, prompt))``
+pastes the retrieved documents into the prompt's ``{context}``.  This builder does the
+same (so the prompt, the input and the output keys are unchanged) and also hands the
+documents to :class:`ChatCacheBlend` as chunks, so each is reused from its cache even when
+the engine has never seen it before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.documents import Document
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import Runnable, RunnableLambda, RunnablePassthrough
+
+DEFAULT_DOCUMENT_PROMPT = PromptTemplate.from_template("{page_content}")
+
+
+def create_cacheblend_retrieval_chain(
+    llm: Runnable,
+    retriever: BaseRetriever | Runnable,
+    prompt: BasePromptTemplate,
+    *,
+    document_prompt: BasePromptTemplate | None = None,
+    document_separator: str = "\n\n",
+    document_variable_name: str = "context",
+) -> Runnable:
+    """A retrieval chain whose input is ``{"input": ..., **other prompt variables}`` and
+    whose output adds ``"context"`` (the retrieved Documents) and ``"answer"`` (a string),
+    as LangChain's ``create_retrieval_chain`` does.
+
+    ``llm`` must accept ``documents=`` (a :class:`ChatCacheBlend`, possibly bound)."""
+    if document_variable_name not in prompt.input_variables:
+        raise ValueError(f"prompt must take {{{document_variable_name}}}; its variables: {prompt.input_variables}")
+    doc_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
+
+    def answer(inputs: dict[str, Any]) -> Runnable:
+        docs: list[Document] = inputs[document_variable_name]
+        texts = [format_document(d, doc_prompt) for d in docs]
+        fill = RunnableLambda(lambda x: {**x, document_variable_name: document_separator.join(texts)})
+        return fill | prompt | llm.bind(documents=texts) | StrOutputParser()
+
+    retrieve = RunnableLambda(lambda x: x["input"]) | retriever
+    return (
+        RunnablePassthrough.assign(context=retrieve.with_config(run_name="retrieve_documents"))
+        .assign(answer=RunnableLambda(answer).with_config(run_name="cacheblend_stuff_documents"))
+        .with_config(run_name="cacheblend_retrieval_chain")
+    )

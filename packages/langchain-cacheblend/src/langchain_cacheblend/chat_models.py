@@ -1,0 +1,274 @@
+"""``ChatCacheBlend``: a LangChain chat model on the CacheBlend engine.
+
+It translates LangChain messages and documents into the engine's chat request and the
+engine's result back into an ``AIMessage``; finding passages in the prompt, caching and
+blending all happen in the core (:meth:`cacheblend.Engine.start_chat`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, SecretStr
+
+from cacheblend import CacheBlendError, Engine, Generation, Result
+from cacheblend.aio import iterate_in_thread, run_in_thread
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_ROLE_OF = {"system": "system", "human": "user", "ai": "assistant"}
+# Per-call options that go to the engine as they are (besides documents, stop, max_tokens).
+_ENGINE_OPTIONS = {"method", "recompute_ratio", "quality_floor", "check_layers", "deviation", "gradual",
+                   "temperature", "top_p", "seed", "learn_passages"}
+
+
+class ChatCacheBlend(BaseChatModel):
+    """Chat model whose prompts reuse the KV caches of retrieved passages (CacheBlend).
+
+    ``ChatCacheBlend()`` loads the default model (SmolLM2-135M-Instruct) with the default
+    store (memory, then disk under ``$CACHEBLEND_HOME``).  Passages reach the model three
+    ways: ``invoke(messages, documents=[...])`` (or ``.bind(documents=...)``), the chain
+    from :func:`create_cacheblend_retrieval_chain`, or unchanged in a formatted prompt: the
+    engine finds every passage it has cached by its text, and caches long paragraphs it has
+    not seen (``learn_passages``) so the next prompt that holds them reuses them.
+
+    Every response carries ``usage_metadata`` (``input_token_details.cache_read``: prompt
+    tokens served from caches) and ``response_metadata["cacheblend"]`` (TTFT and stats).
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    model: str | None = Field(default=None, alias="model_name")
+    """HF folder or ``.gguf`` file; None for the default model."""
+    store: str | None = None
+    """Store spec (``"memory"``, ``"disk:PATH"``, ``"redis://…"``, comma-joined tiers); None: default."""
+    temperature: float = 0.0
+    max_tokens: int | None = Field(default=256, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
+    top_p: float = 1.0
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    timeout: float | None = None
+    """Seconds a call may take; checked between decoded tokens."""
+    max_retries: int = 2
+    """Retries of a call that failed for a reason other than bad input (e.g. a store error)."""
+    seed: int | None = None
+    streaming: bool = False
+    api_key: SecretStr | None = None
+    """Accepted for parity with hosted chat models; the in-process engine needs none."""
+
+    method: Literal["blend", "full", "prefix", "reuse"] = "blend"
+    recompute_ratio: float | Literal["auto"] = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    learn_passages: bool = True
+    """Cache long paragraphs of the prompt that are not known passages yet."""
+
+    engine: Engine | None = Field(default=None, exclude=True)
+    """An engine to use instead of the shared one for ``model``/``store``."""
+    _engine: Engine | None = PrivateAttr(default=None)
+
+    # -- what LangChain asks of a chat model ---------------------------------------------
+    @property
+    def _llm_type(self) -> str:
+        return "cacheblend"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model_label, "store": self.store, "method": self.method,
+                "recompute_ratio": self.recompute_ratio, "temperature": self.temperature}
+
+    @property
+    def model_label(self) -> str:
+        return self.model or DEFAULT_MODEL_NAME
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider="cacheblend", ls_model_type="chat",
+                                 ls_model_name=kwargs.get("model") or self.model_label,
+                                 ls_temperature=kwargs.get("temperature", self.temperature))
+        if (max_tokens := kwargs.get("max_tokens", self.max_tokens)) is not None:
+            params["ls_max_tokens"] = max_tokens
+        if stop := stop or self.stop:
+            params["ls_stop"] = stop
+        return params
+
+    def get_engine(self) -> Engine:
+        """The engine, loaded on first use (so constructing the model costs nothing)."""
+        if self._engine is None:
+            self._engine = self.engine or Engine.shared(self.model, store=self.store)
+        return self._engine
+
+    # -- ingestion -----------------------------------------------------------------------
+    def ingest(self, texts: Sequence[str]) -> list[str]:
+        """Precompute and store the passages' KV now; returns their cache keys."""
+        return [h.key for h in self.get_engine().ingest(list(texts))]
+
+    def release(self, texts: Sequence[str]) -> int:
+        """Forget passages and delete their caches; returns how many were stored."""
+        return self.get_engine().release(list(texts))
+
+    # -- requests ------------------------------------------------------------------------
+    def _start(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> Generation:
+        kwargs = dict(kwargs)
+        documents = _texts(kwargs.pop("documents", None) or ())
+        options: dict[str, Any] = {"method": self.method, "recompute_ratio": self.recompute_ratio,
+                                   "check_layers": self.check_layers, "temperature": self.temperature,
+                                   "top_p": self.top_p, "seed": self.seed, "learn_passages": self.learn_passages}
+        max_tokens = kwargs.pop("max_tokens", self.max_tokens)
+        kwargs.pop("model", None)  # one engine per model; per-call overrides are reported only
+        for name in list(kwargs):
+            if name in _ENGINE_OPTIONS:
+                options[name] = kwargs.pop(name)
+            elif name.startswith("ls_") or kwargs[name] is None:
+                kwargs.pop(name)
+        if kwargs:
+            raise ValueError(f"ChatCacheBlend got unknown options {sorted(kwargs)}; known: documents, max_tokens, "
+                             f"stop, {', '.join(sorted(_ENGINE_OPTIONS))}")
+        learn = options.pop("learn_passages")
+        return self.get_engine().start_chat(
+            _messages(messages), documents, learn=learn, stop=tuple(stop or self.stop or ()),
+            max_new_tokens=max_tokens if max_tokens is not None else 256, **options,
+        )
+
+    def _attempts(self) -> int:
+        return 1 + max(0, self.max_retries)
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        deadline = time.monotonic() + self.timeout if self.timeout else None
+        for attempt in range(self._attempts()):
+            try:
+                gen = self._start(messages, stop, kwargs)
+                for _ in gen.pieces:
+                    _check(deadline, self.timeout)
+                _check(deadline, self.timeout)
+                break
+            except (CacheBlendError, TimeoutError, ValueError):
+                raise
+            except Exception:
+                if attempt + 1 == self._attempts():
+                    raise
+        assert gen.result is not None
+        message = AIMessage(content=gen.result.text, **self._metadata(gen.result))
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        deadline = time.monotonic() + self.timeout if self.timeout else None
+        gen = self._start(messages, stop, kwargs)
+        for piece in gen.pieces:
+            _check(deadline, self.timeout)
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+            if run_manager:
+                run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        assert gen.result is not None
+        yield self._last_chunk(gen.result)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return await run_in_thread(self._generate, messages, stop, None, **kwargs)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        deadline = time.monotonic() + self.timeout if self.timeout else None
+        started: list[Generation] = []
+
+        def start() -> Iterator[str]:
+            started.append(self._start(messages, stop, kwargs))
+            return started[0].pieces
+
+        async for piece in iterate_in_thread(start):
+            _check(deadline, self.timeout)
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+            if run_manager:
+                await run_manager.on_llm_new_token(piece, chunk=chunk)
+            yield chunk
+        assert started and started[0].result is not None
+        yield self._last_chunk(started[0].result)
+
+    # -- results -------------------------------------------------------------------------
+    def _metadata(self, result: Result) -> dict[str, Any]:
+        usage = result.usage
+        return {
+            "usage_metadata": UsageMetadata(
+                input_tokens=usage["prompt_tokens"], output_tokens=usage["completion_tokens"],
+                total_tokens=usage["total_tokens"], input_token_details={"cache_read": usage["cached_tokens"]},
+            ),
+            "response_metadata": {"model_name": self.get_engine().model_name or self.model_label,
+                                  "model_provider": "cacheblend", "finish_reason": result.finish_reason,
+                                  "ttft_s": result.ttft_s, "cacheblend": result.metadata()},
+        }
+
+    def _last_chunk(self, result: Result) -> ChatGenerationChunk:
+        """The closing chunk: no text, the usage and metadata of the whole response."""
+        return ChatGenerationChunk(message=AIMessageChunk(content="", chunk_position="last", **self._metadata(result)))
+
+
+def _check(deadline: float | None, timeout: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError(f"ChatCacheBlend call took longer than timeout={timeout} s")
+
+
+def _texts(documents: Any) -> list[str]:
+    if isinstance(documents, (str, Document)):
+        documents = [documents]
+    out = []
+    for d in documents:
+        if isinstance(d, Document):
+            out.append(d.page_content)
+        elif isinstance(d, str):
+            out.append(d)
+        else:
+            raise ValueError(f"documents must be Document objects or strings, got {type(d).__name__}")
+    return out
+
+
+def _messages(messages: list[BaseMessage]) -> list[dict[str, str]]:
+    """LangChain messages as the engine's ``{"role", "content"}`` dicts (text only)."""
+    out = []
+    for m in messages:
+        role = m.role if isinstance(m, ChatMessage) else _ROLE_OF.get(m.type)
+        if role not in ("system", "user", "assistant"):
+            raise ValueError(f"ChatCacheBlend cannot take a {m.type!r} message: tools are not supported")
+        out.append({"role": role, "content": _text(m)})
+    return out
+
+
+def _text(message: BaseMessage) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    parts = []
+    for block in message.content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block.get("text", ""))
+        else:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ValueError(f"ChatCacheBlend takes text only; got a {kind!r} content block")
+    return "".join(parts)

@@ -1,0 +1,96 @@
+"""Ingestion hook: a vector store wrapper that precomputes each chunk's KV as it is indexed.
+
+Wrap any LangChain vector store; ``add_documents``/``add_texts`` precompute and store the
+KV of every text, record its cache key in the document metadata (``cacheblend_key``) and
+then add the documents to the wrapped store.  ``delete`` releases the caches of the
+documents it removes.  This is what ``langchain_core.indexing.index`` with a RecordManager
+needs: unchanged documents are skipped before they reach ``add_documents`` (so re-indexing
+costs nothing), and documents the index deletes or replaces release their stale caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
+from langchain_core.vectorstores import InMemoryVectorStore, VectorStore
+from tqdm.auto import tqdm
+
+from .chat_models import ChatCacheBlend
+
+CACHE_KEY = "cacheblend_key"
+
+
+class CacheBlendVectorStore(VectorStore):
+    """``vectorstore`` with the KV of every added text precomputed by ``llm``'s engine."""
+
+    def __init__(self, vectorstore: VectorStore, llm: ChatCacheBlend | None = None, *,
+                 show_progress: bool | None = None, progress_min: int = 16) -> None:
+        self.vectorstore = vectorstore
+        self.llm = llm or ChatCacheBlend()
+        self.show_progress = show_progress
+        self.progress_min = progress_min  # a progress bar from this many texts on (show_progress None)
+
+    @property
+    def embeddings(self) -> Embeddings | None:
+        return self.vectorstore.embeddings
+
+    # -- writes: precompute, then delegate -------------------------------------------------
+    def _precompute(self, texts: Sequence[str]) -> list[str]:
+        show = self.show_progress if self.show_progress is not None else len(texts) >= self.progress_min
+        return [self.llm.ingest([t])[0] for t in tqdm(texts, desc="cacheblend: precomputing KV", disable=not show)]
+
+    def add_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
+        keys = self._precompute([d.page_content for d in documents])
+        tagged = [Document(page_content=d.page_content, metadata={**d.metadata, CACHE_KEY: key}, id=d.id)
+                  for d, key in zip(documents, keys, strict=True)]
+        return self.vectorstore.add_documents(tagged, **kwargs)
+
+    def add_texts(self, texts: Iterable[str], metadatas: list[dict] | None = None, *,
+                  ids: list[str] | None = None, **kwargs: Any) -> list[str]:
+        texts = list(texts)
+        metadatas = metadatas or [{} for _ in texts]
+        docs = [Document(page_content=t, metadata=m, id=ids[i] if ids else None)
+                for i, (t, m) in enumerate(zip(texts, metadatas, strict=True))]
+        if ids:
+            kwargs["ids"] = ids
+        return self.add_documents(docs, **kwargs)
+
+    def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
+        """Delete from the wrapped store and release the caches of the removed texts."""
+        if ids:
+            gone = [d.page_content for d in self.vectorstore.get_by_ids(ids)]
+            result = self.vectorstore.delete(ids, **kwargs)
+            self.llm.release(gone)
+            return result
+        return self.vectorstore.delete(ids, **kwargs)
+
+    def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
+        return self.vectorstore.get_by_ids(ids)
+
+    # -- reads: the wrapped store's -------------------------------------------------------
+    def similarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
+        return self.vectorstore.similarity_search(query, k=k, **kwargs)
+
+    def similarity_search_with_score(self, *args: Any, **kwargs: Any) -> list[tuple[Document, float]]:
+        return self.vectorstore.similarity_search_with_score(*args, **kwargs)
+
+    def similarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
+        return self.vectorstore.similarity_search_by_vector(embedding, k=k, **kwargs)
+
+    def max_marginal_relevance_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
+        return self.vectorstore.max_marginal_relevance_search(query, k=k, **kwargs)
+
+    def _select_relevance_score_fn(self) -> Callable[[float], float]:
+        return self.vectorstore._select_relevance_score_fn()
+
+    @classmethod
+    def from_texts(cls, texts: list[str], embedding: Embeddings, metadatas: list[dict] | None = None, *,
+                   llm: ChatCacheBlend | None = None, ids: list[str] | None = None,
+                   **kwargs: Any) -> CacheBlendVectorStore:
+        """An in-memory vector store over ``texts`` with their KV precomputed."""
+        store = cls(InMemoryVectorStore(embedding), llm, **kwargs)
+        store.add_texts(texts, metadatas, ids=ids)
+        return store
