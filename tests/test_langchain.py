@@ -149,7 +149,8 @@ def test_indexing_api_skips_unchanged_documents_and_releases_stale_caches(engine
     assert len(precomputed) == 3  # re-indexing unchanged documents computed nothing
 
     changed = Document(page_content=docs[0].page_content + " (revised)", metadata={"source": "doc0"})
-    third = index([changed, *docs[1:]], records, store, cleanup="incremental", source_id_key="source", key_encoder="sha256")
+    third = index([changed, *docs[1:]], records, store, cleanup="incremental", source_id_key="source",
+                  key_encoder="sha256")
     assert third["num_added"] == 1 and third["num_deleted"] == 1
     assert engine.store.open(keys[0]) is None  # stale cache released
     assert engine.store.open(keys[1]) is not None
