@@ -25,7 +25,7 @@ def test_no_query(engine, query):
 def test_empty_chunk_text(engine):
     with pytest.raises(ValueError, match="chunk must be a non-empty string"):
         engine.ingest([""])
-    with pytest.raises(ValueError, match="chunk must be a non-empty string"):
+    with pytest.raises(CacheBlendError, match="chunk must be a non-empty string"):
         engine.generate(QUERY, ["  "])
 
 

@@ -473,6 +473,8 @@ class Engine:
 
     def _resolve(self, chunk: ChunkHandle | str) -> ChunkHandle:
         if isinstance(chunk, str):
+            if not chunk.strip():
+                raise CacheBlendError("a chunk must be a non-empty string")
             return self._handle(self.prompts.chunk_ids(chunk))
         if not isinstance(chunk, ChunkHandle):
             raise CacheBlendError(f"chunks take ChunkHandle or str, got {type(chunk).__name__}")

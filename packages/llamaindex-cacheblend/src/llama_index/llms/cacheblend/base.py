@@ -1,0 +1,216 @@
+"""``CacheBlendLLM``: the CacheBlend engine as a LlamaIndex LLM.
+
+Every call goes through :meth:`Engine.start_chat`, which finds the passages it already
+knows (ingested, or learned from earlier prompts) inside the formatted prompt by their
+text, so any stock LlamaIndex chain that pastes retrieved chunks verbatim reuses their
+KV caches without knowing about CacheBlend.  This module only translates: messages to
+dicts, options to engine keywords, results to LlamaIndex responses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+
+from cacheblend import METHODS, CacheBlendError, Engine, Generation, Result
+from cacheblend.aio import iterate_in_thread, run_in_thread
+
+# LlamaIndex roles the chat template knows under another name.  Tool and function
+# results are information handed to the model, so they travel as user turns.
+_ROLES = {
+    MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system",
+    MessageRole.USER: "user", MessageRole.TOOL: "user", MessageRole.FUNCTION: "user",
+    MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
+}
+# Per-call keyword overrides accepted by complete()/chat(); anything else is an error
+# rather than silently ignored.
+_CALL_OPTIONS = {"method", "recompute_ratio", "max_tokens", "temperature", "top_p", "stop", "seed",
+                 "quality_floor", "check_layers", "deviation", "gradual", "learn", "documents"}
+
+
+def raw_of(result: Result) -> dict[str, Any]:
+    """``raw`` of a response: OpenAI-style ``usage`` (read by ``TokenCountingHandler``)
+    and the blend stats under ``cacheblend``."""
+    return {"usage": dict(result.usage), "cacheblend": result.metadata()}
+
+
+def finish(gen: Generation) -> Result:
+    """Run a generation to its end."""
+    for _ in gen.pieces:
+        pass
+    assert gen.result is not None
+    return gen.result
+
+
+def deltas(gen: Generation) -> Iterator[tuple[str, str, dict | None]]:
+    """``(text so far, delta, raw)`` per decoded piece; a last item with an empty delta
+    carries ``raw`` once the generation is done (stats exist only then)."""
+    text = ""
+    try:
+        for piece in gen.pieces:
+            text += piece
+            yield text, piece, None
+    finally:
+        gen.pieces.close()  # a stream abandoned early stops decoding now
+    assert gen.result is not None
+    yield gen.result.text, "", raw_of(gen.result)
+
+
+class CacheBlendLLM(CustomLLM):
+    """A chat model served by the CacheBlend engine.
+
+    ``CacheBlendLLM()`` uses the core default model (SmolLM2-135M-Instruct) and store
+    (memory + disk), shared process-wide with every other object built on them.
+    ``complete(prompt)`` sends the prompt as one user message, after
+    ``completion_to_prompt`` and with ``system_prompt`` as a system message;
+    ``formatted=True`` (what ``LLM.predict`` passes) sends it as is.  The chat template
+    is always applied by the engine: there is no raw-prompt path.  Per-call keywords
+    override the fields (``max_tokens``, ``method``, ...; ``documents`` adds passages)."""
+
+    model: str | None = Field(default=None, description="HF folder, hub id or .gguf; None: the core default.")
+    store: str | None = Field(default=None, description="KV store spec ('memory', a folder, redis://...); "
+                                                        "None: the core default (memory + disk).")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 decodes greedily.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=128, gt=0, description="New tokens at most.")
+    method: str = Field(default="blend", description=f"One of {METHODS}.")
+    recompute_ratio: float | str = Field(default=0.15, description="Share of reused tokens recomputed, or 'auto'.")
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, description="Strings that end the answer.")
+    learn: bool = Field(default=True, description="Cache long unknown paragraphs of prompts for next time.")
+
+    _engine: Engine = PrivateAttr()
+
+    def __init__(self, engine: Engine | None = None, **data: Any) -> None:
+        """``engine``: use this engine instead of ``Engine.shared(model, store=store)``."""
+        super().__init__(**data)
+        self._engine = engine if engine is not None else Engine.shared(self.model, store=self.store)
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v: str) -> str:
+        if v not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {v!r}")
+        return v
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CacheBlendLLM"
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(context_window=self._engine.context_length, num_output=self.max_tokens,
+                           model_name=self._engine.model_name, is_chat_model=True)
+
+    # -- translation -------------------------------------------------------------------
+    def options(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Engine decoding/blending keywords from the fields, with per-call overrides."""
+        overrides = dict(overrides or {})
+        unknown = set(overrides) - _CALL_OPTIONS
+        if unknown:
+            raise CacheBlendError(f"unknown option(s) {sorted(unknown)}; accepted: {sorted(_CALL_OPTIONS)}")
+        opts = {"method": self.method, "recompute_ratio": self.recompute_ratio, "max_new_tokens": self.max_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "stop": tuple(self.stop), "seed": self.seed}
+        if "max_tokens" in overrides:
+            opts["max_new_tokens"] = overrides.pop("max_tokens")
+        return opts | overrides
+
+    @staticmethod
+    def to_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, ChatMessage):
+                raise CacheBlendError(f"message {i} must be a ChatMessage, got {type(m).__name__}")
+            out.append({"role": _ROLES.get(m.role, "user"), "content": m.content or ""})
+        return out
+
+    def _start_chat(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> Generation:
+        opts = self.options(kwargs)
+        learn = opts.pop("learn", self.learn)
+        documents = opts.pop("documents", ())
+        return self._engine.start_chat(messages, documents=documents, learn=learn, **opts)
+
+    def _start_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> Generation:
+        if not isinstance(prompt, str):
+            raise CacheBlendError(f"prompt must be a string, got {type(prompt).__name__}")
+        messages = [{"role": "user", "content": prompt if formatted else self.completion_to_prompt(prompt)}]
+        if self.system_prompt and not formatted:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return self._start_chat(messages, kwargs)
+
+    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
+        result = finish(self._start_completion(prompt, formatted, kwargs))
+        return CompletionResponse(text=result.text, raw=raw_of(result))
+
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
+        result = finish(self._start_chat(self.to_dicts(messages), kwargs))
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text), raw=raw_of(result))
+
+    # -- sync ----------------------------------------------------------------------------
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._complete(prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        gen = self._start_completion(prompt, formatted, kwargs)  # bad input raises here
+        return (CompletionResponse(text=t, delta=d, raw=r) for t, d, r in deltas(gen))
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat(messages, kwargs)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        gen = self._start_chat(self.to_dicts(messages), kwargs)
+        return (ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=t), delta=d, raw=r)
+                for t, d, r in deltas(gen))
+
+    # -- async: the engine's work runs on worker threads, never on the event loop ----------
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await run_in_thread(self._complete, prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        gen = await run_in_thread(self._start_completion, prompt, formatted, kwargs)
+
+        async def responses() -> CompletionResponseAsyncGen:
+            async for t, d, r in iterate_in_thread(lambda: deltas(gen)):
+                yield CompletionResponse(text=t, delta=d, raw=r)
+
+        return responses()
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await run_in_thread(self._chat, messages, kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        gen = await run_in_thread(self._start_chat, self.to_dicts(messages), kwargs)
+
+        async def responses() -> ChatResponseAsyncGen:
+            async for t, d, r in iterate_in_thread(lambda: deltas(gen)):
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=t), delta=d, raw=r)
+
+        return responses()
