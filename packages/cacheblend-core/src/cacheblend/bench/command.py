@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -75,7 +76,11 @@ def main(args) -> int:
     report = {"command": "cacheblend bench " + " ".join(sys.argv[2:]), "machine": _machine(args.threads),
               "records": records}
     if args.peers == "vllm":
-        report["records"] += _peers(engine, groups, args)
+        try:
+            report["records"] += _peers(engine, groups, args)
+        except (RuntimeError, OSError, subprocess.SubprocessError, KeyError, ValueError) as e:
+            report["peer_error"] = str(e)  # our own records stand; say why the peer's are missing
+            print(f"cacheblend bench: vLLM peer failed: {e}", file=sys.stderr)
     if args.deviation:
         from .deviation import sparsity_profile, token_deviation
 

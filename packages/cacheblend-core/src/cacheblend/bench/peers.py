@@ -29,8 +29,8 @@ def run_vllm(root: Path, model_dir: str, prompts: list[dict], timeout_s: int = 3
         spec, out = Path(tmp) / "prompts.json", Path(tmp) / "peer.json"
         spec.write_text(json.dumps({"model": model_dir, "dtype": "float32", "prompts": prompts}))
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        proc = subprocess.run([str(exe), str(root / "benchmarks" / "vllm_peer.py"), "--prompts", str(spec),
-                               "--out", str(out)], env=env, timeout=timeout_s, stdout=sys.stderr)
+        proc = subprocess.run([str(exe), str(root / "benchmarks" / "vllm_peer.py"), str(spec), "--out", str(out)],
+                              env=env, timeout=timeout_s, stdout=sys.stderr)
         if proc.returncode != 0:
             raise RuntimeError(f"vllm peer failed with exit code {proc.returncode}")
         return json.loads(out.read_text())
