@@ -73,7 +73,8 @@ def run_examples(engine: Engine, task: Task, examples: list[Example], variants_:
     bar = tqdm(total=len(examples) * len(variants_), desc=desc or task.name, unit="run")
     for i, ex in enumerate(examples):
         handles = engine.ingest(ex.passages)  # ingestion, not timed
-        engine.generate(ex.query, handles, method="prefix", max_new_tokens=1, **common)  # store prefix caches
+        if any(v.method == "prefix" for v in variants_):  # store the prefix caches each method reads
+            engine.generate(ex.query, handles, method="prefix", max_new_tokens=1, **common)
         engine.generate(ex.query, handles, method="reuse", max_new_tokens=1, **common)
         prompt = engine.prompts.build(ex.query, [list(h.token_ids) for h in handles], None, task.preamble)
         first = len(prompt.prefix) + (handles[0].num_tokens if handles else 0)
