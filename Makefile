@@ -66,3 +66,9 @@ $(VLLM_STAMP): packages/cacheblend-core/pyproject.toml
 
 .PHONY: vllm
 vllm: $(VLLM_STAMP)
+
+# The vLLM connector tests (tests/vllm_connector), in .venv-vllm: two eager LLMs, ~5 min on 2 cores.
+.PHONY: test-vllm
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest --version >/dev/null 2>&1 || $(VLLM_VENV)/bin/pip install -q pytest
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_connector

@@ -1,0 +1,385 @@
+"""CacheBlend as a vLLM (0.32, V1) KV connector: blended chunk caches written into vLLM's blocks.
+
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    llm = LLM(model=HF_FOLDER, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="CacheBlendConnector",
+                  kv_connector_module_path="cacheblend.integrations.vllm", kv_role="kv_both",
+                  kv_connector_extra_config={"store": "disk:/path/kv", "passages": "/path/p.jsonl",
+                                             "recompute_ratio": 0.15}))
+
+How it works (facts about vLLM's side are in docs/vllm.md, "Connector notes"):
+
+* vLLM runs the two halves of a connector in different processes (scheduler side in
+  EngineCore, worker side in VllmWorker), neither of them the user's.  So everything the
+  connector needs is shared through files: chunk caches through the core's KV store
+  (``"store"``: a disk or Redis spec), and the *texts* of known passages through a
+  JSON-lines registry (``"passages"``), written by :func:`register_passages` and re-read
+  whenever its mtime changes.  A registry file rather than a service keeps the connector
+  free of extra infrastructure; it only has to be on a filesystem both processes see.
+* Chunks are found in a request by token ids, not by a separator convention: each known
+  passage is tokenized as the core tokenizes a chunk (``text + "\\n\\n"``, and ``text``
+  alone for a passage a template follows with something else), and those exact id runs are
+  looked for in the prompt.  Token level, because the K/V written must belong to vLLM's
+  token ids position by position; a passage tokenized differently inside the prompt is
+  simply not matched and is computed.
+* Scheduler side: a prompt of at least ``min_tokens`` tokens (default two blocks) holding a
+  known chunk is reported as ``len(prompt) - 1`` externally computed tokens, synchronously,
+  so vLLM computes only the last token.  The matched spans travel to the worker in the
+  step's metadata.
+* Worker side: a core :class:`~cacheblend.engine.Engine` on the same HF folder and dtype
+  (so its fingerprint matches caches made by ``Engine.ingest`` in other processes) runs
+  the fused prefill over the prompt (matched spans reuse their stored caches, the rest is
+  computed, ``recompute_ratio`` of chunk tokens recomputed) and the fused post-RoPE K and V
+  are written into the request's blocks in the CPU layout (K transposed per block and head).
+  If that fails, the blocks are reported as load errors: vLLM then recomputes them with
+  ``KVTransferConfig(kv_load_failure_policy="recompute")``, or fails the request (its
+  default, ``"fail"``), never decoding from zeroed blocks.
+
+Run vLLM with ``enable_prefix_caching=False``: otherwise blended blocks enter vLLM's prefix
+cache under their token hashes and a later request with the same prefix reuses them as if
+they were exact.  Only the ``vec`` attention ISA (float32 on AVX-512 CPUs) has the
+verified layout; other ISAs are refused.  Per request, ``SamplingParams(extra_args=
+{"kv_transfer_params": {"recompute_ratio": r}})`` overrides the ratio (``r = 1.0``
+recomputes every token: vLLM's full prefill, up to float rounding).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+log = logging.getLogger("vllm.cacheblend")  # under "vllm", so vLLM's log handler shows it
+
+_ANCHOR = 4  # chunks are indexed by their first ids; shorter chunks are not worth matching
+_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------- the passage registry
+
+def register_passages(path: str | os.PathLike, texts: Iterable[str]) -> int:
+    """Append passage ``texts`` not yet in the registry at ``path`` (one JSON string a line);
+    returns how many were added.  Call it where the chunks are ingested, so the connector's
+    processes learn which texts to look for."""
+    p = Path(path)
+    known = set(read_passages(p))
+    new = [t for t in dict.fromkeys(texts) if isinstance(t, str) and t.strip() and t not in known]
+    if new:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with _LOCK, p.open("a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(t) + "\n" for t in new))  # one write: whole lines
+    return len(new)
+
+
+def read_passages(path: str | os.PathLike) -> list[str]:
+    """The registry's texts, in order; a missing file is empty, a torn last line skipped."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            text = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(text, str):
+            out.append(text)
+    return out
+
+
+class ChunkMatcher:
+    """Finds known chunks in a prompt's token ids, exactly as the core would tokenize them.
+
+    Each passage gives two id runs: the chunk as ingested (``text`` + separator) and the
+    bare text (a template may follow it with anything); the longest run that matches wins."""
+
+    def __init__(self, encode, separator: str = "\n\n", path: str | os.PathLike | None = None) -> None:
+        self.encode, self.separator = encode, separator
+        self.path = Path(path) if path else None
+        self._mtime: float | None = None
+        self._texts: set[str] = set()
+        self._by_anchor: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+
+    def add(self, texts: Iterable[str]) -> None:
+        for text in texts:
+            if text in self._texts or not text.strip():
+                continue
+            self._texts.add(text)
+            for ids in {tuple(self.encode(text + self.separator)), tuple(self.encode(text))}:
+                if len(ids) >= _ANCHOR:
+                    bucket = self._by_anchor.setdefault(ids[:_ANCHOR], [])
+                    bucket.append(ids)
+                    bucket.sort(key=len, reverse=True)
+
+    def refresh(self) -> None:
+        """Re-read the registry file if it changed since the last read."""
+        if self.path is None:
+            return
+        try:
+            mtime = self.path.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if mtime != self._mtime:
+            self._mtime = mtime
+            self.add(read_passages(self.path))
+
+    def find(self, ids: Sequence[int], end_limit: int | None = None) -> list[tuple[int, int]]:
+        """Non-overlapping ``(start, end)`` spans of known chunks in ``ids``, left to right,
+        each ending at or before ``end_limit`` (default: all of ``ids``)."""
+        limit = len(ids) if end_limit is None else end_limit
+        spans: list[tuple[int, int]] = []
+        i = 0
+        while i + _ANCHOR <= limit:
+            hit = None
+            for cand in self._by_anchor.get(tuple(ids[i : i + _ANCHOR]), ()):
+                if i + len(cand) <= limit and tuple(ids[i : i + len(cand)]) == cand:
+                    hit = (i, i + len(cand))
+                    break
+            if hit:
+                spans.append(hit)
+                i = hit[1]
+            else:
+                i += 1
+        return spans
+
+
+# ---------------------------------------------------------------- metadata (pickled to the worker)
+
+@dataclass
+class BlendLoad:
+    """One request whose K/V the worker writes: tokens ``[start, len(token_ids) - 1)``."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    start: int
+    spans: list[tuple[int, int]]
+    recompute_ratio: float
+
+
+@dataclass
+class CacheBlendMeta(KVConnectorMetadata):
+    loads: list[BlendLoad] = field(default_factory=list)
+
+
+def _layer_index(name: str) -> int:
+    m = re.search(r"layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
+def paged_views(cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K as ``[blocks, heads, head_dim, block_size]`` and V as ``[blocks, heads, block_size,
+    head_dim]``: views of one layer's CPU cache ``[blocks, heads, block_size, 2*head_dim]``,
+    whose (block, head) pages hold all K (transposed), then all V ("vec" ISA)."""
+    nb, heads = cache.shape[:2]
+    halves = cache.view(nb, heads, 2, -1)
+    head_dim = halves.shape[-1] // block_size
+    return (halves[:, :, 0].unflatten(-1, (head_dim, block_size)),
+            halves[:, :, 1].unflatten(-1, (block_size, head_dim)))
+
+
+# ---------------------------------------------------------------- the connector
+
+class CacheBlendConnector(KVConnectorBase_V1):
+    """Reports known-chunk prompts as loaded and writes their CacheBlend-fused K/V."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.store_spec: str | None = extra.get("store")
+        self.recompute_ratio = float(extra.get("recompute_ratio", 0.15))
+        self.block_size: int = vllm_config.cache_config.block_size
+        self.min_tokens = int(extra.get("min_tokens", 2 * self.block_size))
+        self.model_dir: str = vllm_config.model_config.model
+        self.dtype: torch.dtype = vllm_config.model_config.dtype
+        self.passages_path: str | None = extra.get("passages")
+        # scheduler side
+        self._matcher: ChunkMatcher | None = None
+        self._spans: dict[str, list[tuple[int, int]]] = {}  # req_id -> matched spans (a pure cache)
+        self._pending: dict[str, tuple[list[int], int, list[tuple[int, int]], float]] = {}
+        # worker side
+        self._engine = None
+        self._kv_caches: list[torch.Tensor] = []
+        self._failed_blocks: set[int] = set()
+        self.last_stats: dict[str, Any] = {}
+
+    # ---- scheduler side ------------------------------------------------------------
+    def _get_matcher(self) -> ChunkMatcher:
+        if self._matcher is None:
+            from transformers import AutoTokenizer
+
+            from ..prompt import PromptBuilder
+
+            prompts = PromptBuilder(AutoTokenizer.from_pretrained(self.model_dir))
+            self._matcher = ChunkMatcher(prompts.encode, prompts.chunk_separator, self.passages_path)
+        self._matcher.refresh()
+        return self._matcher
+
+    def _match(self, request: Any) -> list[tuple[int, int]]:
+        spans = self._spans.get(request.request_id)
+        if spans is None:
+            ids = list(request.prompt_token_ids or [])
+            spans = self._get_matcher().find(ids, end_limit=len(ids) - 1) if len(ids) >= self.min_tokens else []
+            self._spans[request.request_id] = spans
+        return spans
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        n = len(request.prompt_token_ids or [])
+        if n < self.min_tokens or not self._match(request):
+            return 0, False
+        return max(0, n - 1 - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        ids = list(request.prompt_token_ids or [])
+        params = getattr(request, "kv_transfer_params", None) or {}
+        ratio = float(params.get("recompute_ratio", self.recompute_ratio))
+        self._pending[request.request_id] = (ids, len(ids) - 1 - num_external_tokens, self._match(request), ratio)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """Loads for this step's new requests, and for requests resumed after preemption
+        (their blocks were freed, so the connector reported and must write them again)."""
+        blocks = {req.req_id: req.block_ids[0] for req in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                blocks[req_id] = cached.new_block_ids[i][0]
+        meta = CacheBlendMeta()
+        for req_id, block_ids in blocks.items():
+            pending = self._pending.pop(req_id, None)
+            if pending is not None:
+                ids, start, spans, ratio = pending
+                meta.loads.append(BlendLoad(req_id, ids, list(block_ids), start, spans, ratio))
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._spans.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        return False, None
+
+    # ---- worker side ---------------------------------------------------------------
+    def engine(self):
+        """The core engine on vLLM's own weights folder and dtype, made once per worker."""
+        if self._engine is None:
+            from ..engine import Engine
+
+            t = time.perf_counter()
+            self._engine = Engine.load(self.model_dir, store=self.store_spec, dtype=self.dtype)
+            log.info("CacheBlend engine loaded in %.1f s (store %s)", time.perf_counter() - t, self.store_spec)
+        return self._engine
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = [t for _, t in sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))]
+        self.engine()  # at startup, not inside the first request's TTFT
+
+    def _check_layout(self, forward_context: Any) -> None:
+        layers = getattr(forward_context, "no_compile_layers", {}) or {}
+        isas = {getattr(m, "isa", None) for m in layers.values()} - {None}
+        if isas and isas != {"vec"}:
+            raise RuntimeError(f"CacheBlendConnector: KV layout verified only for the 'vec' ISA, got {isas}")
+        dec = self.engine().decoder.shape
+        if len(self._kv_caches) != dec.num_layers:
+            raise RuntimeError(f"{len(self._kv_caches)} vLLM KV layers, the model has {dec.num_layers}")
+
+    def _segments(self, load: BlendLoad):
+        from ..blend.fusor import Segment
+        from ..engine import _Counter
+
+        eng = self.engine()
+        counter = _Counter()
+        segs, pos, ids = [], 0, load.token_ids
+        for a, b in load.spans:
+            if a > pos:
+                segs.append(Segment(ids[pos:a]))
+            handle = eng._handle(ids[a:b])
+            segs.append(Segment(ids[a:b], eng._chunk_kv(handle, counter)))
+            pos = b
+        segs.append(Segment(ids[pos:]))
+        return segs, counter
+
+    def _blend(self, load: BlendLoad) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused K (post-RoPE) and V ``[layers, heads, tokens, head_dim]`` of the whole prompt."""
+        from ..blend.fusor import KVCache, fused_prefill
+        from ..blend.selection import BlendConfig
+        from ..store import CorruptEntry
+
+        eng = self.engine()
+        kv = KVCache(eng.decoder.shape, len(load.token_ids), eng.device)
+        for attempt in range(2):
+            segs, counter = self._segments(load)
+            counter.bypass_store = attempt == 1
+            try:
+                report = fused_prefill(eng.decoder, segs, kv, BlendConfig(recompute_ratio=load.recompute_ratio),
+                                       prefetch=eng.prefetch)
+                break
+            except CorruptEntry:
+                if attempt == 1:
+                    raise
+        self.last_stats = {"req_id": load.req_id, "prompt_tokens": report.prompt_tokens,
+                           "chunks": len(load.spans), "reused": report.reused_tokens,
+                           "recomputed": report.recomputed_tokens, "computed": report.computed_tokens,
+                           "store_hits": counter.hits, "store_misses": counter.misses}
+        return kv.k, kv.v
+
+    def _write(self, load: BlendLoad, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = len(load.token_ids) - 1
+        t = torch.arange(load.start, end)
+        blk = torch.tensor(load.block_ids, dtype=torch.long)[t // self.block_size]
+        off = t % self.block_size
+        for layer, cache in enumerate(self._kv_caches):
+            k_t, v_pg = paged_views(cache, self.block_size)
+            k_t[blk, :, :, off] = k[layer, :, load.start : end].permute(1, 0, 2).to(cache.dtype)
+            v_pg[blk, :, off] = v[layer, :, load.start : end].permute(1, 0, 2).to(cache.dtype)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, CacheBlendMeta) or not meta.loads:
+            return
+        self._check_layout(forward_context)
+        for load in meta.loads:
+            t0 = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    k, v = self._blend(load)
+                    t1 = time.perf_counter()
+                    self._write(load, k, v)
+                self.last_stats.update(blend_s=round(t1 - t0, 3), write_s=round(time.perf_counter() - t1, 3))
+            except Exception:  # noqa: BLE001 - vLLM recomputes what we could not load
+                log.exception("CacheBlend load failed for %s; vLLM recomputes its blocks", load.req_id)
+                self._failed_blocks.update(load.block_ids[load.start // self.block_size :])
+                continue
+            log.info("CacheBlend %s", self.last_stats)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None
