@@ -132,3 +132,23 @@ def test_entry_evicted_by_another_process_is_a_miss_not_corruption(tmp_path, mon
     monkeypatch.setattr(Path, "is_file", lambda self: True)  # ... just after this one saw it
     assert store.open(KEY_A) is None
     assert store.corrupt == 0
+
+
+def test_entry_evicted_while_safetensors_opens_it_is_a_miss(tmp_path, monkeypatch):
+    """The eviction can also land inside safe_open, after its own existence check: then
+    safetensors raises RuntimeError("unable to open file ... No such file or directory"),
+    which was counted as corruption (seen in the two-process test under load)."""
+    import cacheblend.store.disk as disk
+
+    store = DiskStore(tmp_path)
+    store.put(KEY_A, _kv())
+
+    def racing_open(path, **kw):  # what safetensors 0.8 raised when the file went mid-open
+        from pathlib import Path
+
+        Path(path).unlink()  # another process evicts the entry right now
+        raise RuntimeError(f"unable to open file <{path}> in read-only mode: No such file or directory (2)")
+
+    monkeypatch.setattr(disk, "safe_open", racing_open)
+    assert store.open(KEY_A) is None
+    assert store.corrupt == 0

@@ -43,9 +43,11 @@ class DiskSource:
         self._store, self.key = store, key
         try:
             self._file = safe_open(str(path), framework="pt")
-        except FileNotFoundError:
-            raise  # evicted by another process since it was looked up: a miss, not corruption
         except Exception as e:
+            # Evicted by another process since it was looked up: a miss, not corruption.
+            # safetensors reports a vanished file as a RuntimeError, not FileNotFoundError.
+            if isinstance(e, FileNotFoundError) or not path.exists():
+                raise FileNotFoundError(str(path)) from e
             raise CorruptEntry(f"{path}: {e}") from e
         try:
             meta = self._file.metadata() or {}
