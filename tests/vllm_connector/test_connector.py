@@ -121,3 +121,34 @@ def test_chunks_from_another_process_are_reused(outputs):
     """The worker found every chunk this process ingested: it stored nothing new."""
     before, after = outputs["files"]
     assert before and after == before
+
+
+def test_two_vllm_processes_share_one_redis_tier(setup, redis_server, tmp_path):
+    """Server A computes the chunks of a prompt it has never seen (passages known only from
+    the Redis registry) and stores them in Redis; server B, another process, reuses them."""
+    import json
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ex = setup["examples"][0]
+    assert register_passages(redis_server.url, ex.passages) == len(ex.passages)
+    assert set(read_passages(redis_server.url)) == set(ex.passages)
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(json.dumps(setup["prompts"][0]))
+    script = Path(__file__).with_name("serve_once.py")
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script), setup["model"], str(ids_file), redis_server.url],
+                              capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        stats = re.findall(r"'store_hits': (\d+), 'store_misses': (\d+)", proc.stdout + proc.stderr)
+        assert stats, (proc.stdout + proc.stderr)[-3000:]
+        line = [x for x in proc.stdout.splitlines() if x.startswith('{"first_token"')][-1]  # vLLM logs here too
+        runs.append((json.loads(line), [int(x) for x in stats[-1]]))
+    (out_a, (hits_a, misses_a)), (out_b, (hits_b, misses_b)) = runs
+    assert misses_a >= N_PASSAGES  # A computed the chunks and stored them in Redis ...
+    assert hits_b >= N_PASSAGES and misses_b == 0  # ... and B, another process, found them all
+    assert out_a["num_cached_tokens"] == out_b["num_cached_tokens"] == len(setup["prompts"][0]) - 1
+    assert out_a["first_token"] == out_b["first_token"]

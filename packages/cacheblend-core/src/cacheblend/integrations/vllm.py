@@ -15,9 +15,10 @@ How it works (facts about vLLM's side are in docs/vllm.md, "Connector notes"):
   EngineCore, worker side in VllmWorker), neither of them the user's.  So everything the
   connector needs is shared through files: chunk caches through the core's KV store
   (``"store"``: a disk or Redis spec), and the *texts* of known passages through a
-  JSON-lines registry (``"passages"``), written by :func:`register_passages` and re-read
-  whenever its mtime changes.  A registry file rather than a service keeps the connector
-  free of extra infrastructure; it only has to be on a filesystem both processes see.
+  registry (``"passages"``), written by :func:`register_passages` and re-read whenever it
+  changes: a JSON-lines file on a filesystem every process sees, or a ``redis://`` URL (a
+  Redis set), so that servers on several hosts sharing a Redis store tier also share the
+  passages to look for.
 * Chunks are found in a request by token ids, not by a separator convention: each known
   passage is tokenized as the core tokenizes a chunk (``text + "\\n\\n"``, and ``text``
   alone for a passage a template follows with something else), and those exact id runs are
@@ -73,13 +74,32 @@ _LOCK = threading.Lock()
 
 # ---------------------------------------------------------------- the passage registry
 
+REDIS_PASSAGES_KEY = "cacheblend:passages"
+
+
+def _is_redis(path: str | os.PathLike) -> bool:
+    return str(path).startswith(("redis://", "rediss://", "unix://"))
+
+
+def _redis(url: str):
+    import redis
+
+    return redis.Redis.from_url(url)
+
+
 def register_passages(path: str | os.PathLike, texts: Iterable[str]) -> int:
-    """Append passage ``texts`` not yet in the registry at ``path`` (one JSON string a line);
-    returns how many were added.  Call it where the chunks are ingested, so the connector's
-    processes learn which texts to look for."""
+    """Add passage ``texts`` not yet in the registry at ``path`` and return how many were new.
+
+    ``path`` is a JSON-lines file (one JSON string a line) on a filesystem every process
+    sees, or a ``redis://`` URL: then the texts go into the Redis set
+    ``cacheblend:passages``, which is how servers on several hosts that share a Redis store
+    tier also share what to look for.  Call it where the chunks are ingested."""
+    new = [t for t in dict.fromkeys(texts) if isinstance(t, str) and t.strip()]
+    if _is_redis(path):
+        return int(_redis(str(path)).sadd(REDIS_PASSAGES_KEY, *new)) if new else 0
     p = Path(path)
     known = set(read_passages(p))
-    new = [t for t in dict.fromkeys(texts) if isinstance(t, str) and t.strip() and t not in known]
+    new = [t for t in new if t not in known]
     if new:
         p.parent.mkdir(parents=True, exist_ok=True)
         with _LOCK, p.open("a", encoding="utf-8") as f:
@@ -88,7 +108,9 @@ def register_passages(path: str | os.PathLike, texts: Iterable[str]) -> int:
 
 
 def read_passages(path: str | os.PathLike) -> list[str]:
-    """The registry's texts, in order; a missing file is empty, a torn last line skipped."""
+    """The registry's texts; a missing file is empty, a torn last line skipped."""
+    if _is_redis(path):
+        return sorted(m.decode("utf-8") for m in _redis(str(path)).smembers(REDIS_PASSAGES_KEY))
     p = Path(path)
     if not p.exists():
         return []
@@ -103,6 +125,16 @@ def read_passages(path: str | os.PathLike) -> list[str]:
     return out
 
 
+def _registry_version(path: str | os.PathLike) -> float | None:
+    """What changes when passages are added: a file's mtime, a Redis set's size."""
+    if _is_redis(path):
+        return float(_redis(str(path)).scard(REDIS_PASSAGES_KEY))
+    try:
+        return Path(path).stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
 class ChunkMatcher:
     """Finds known chunks in a prompt's token ids, exactly as the core would tokenize them.
 
@@ -111,7 +143,7 @@ class ChunkMatcher:
 
     def __init__(self, encode, separator: str = "\n\n", path: str | os.PathLike | None = None) -> None:
         self.encode, self.separator = encode, separator
-        self.path = Path(path) if path else None
+        self.path = path or None
         self._mtime: float | None = None
         self._texts: set[str] = set()
         self._by_anchor: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
@@ -131,12 +163,9 @@ class ChunkMatcher:
         """Re-read the registry file if it changed since the last read."""
         if self.path is None:
             return
-        try:
-            mtime = self.path.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if mtime != self._mtime:
-            self._mtime = mtime
+        version = _registry_version(self.path)
+        if version is not None and version != self._mtime:
+            self._mtime = version
             self.add(read_passages(self.path))
 
     def find(self, ids: Sequence[int], end_limit: int | None = None) -> list[tuple[int, int]]:
