@@ -21,7 +21,9 @@ from cacheblend.datasets import load_qa  # noqa: E402
 PARAMS = {"store": "memory", "max_new_tokens": 12}
 
 
-class TestChatCacheBlendUnit(ChatModelUnitTests):
+class _ChatCacheBlendParams:
+    """What both suites ask: the class, its parameters, and the features it opts out of."""
+
     @property
     def chat_model_class(self) -> type[ChatCacheBlend]:
         return ChatCacheBlend
@@ -37,26 +39,14 @@ class TestChatCacheBlendUnit(ChatModelUnitTests):
     @property
     def has_structured_output(self) -> bool:
         return False
+
+
+class TestChatCacheBlendUnit(_ChatCacheBlendParams, ChatModelUnitTests):
+    pass
 
 
 @pytest.mark.slow
-class TestChatCacheBlendIntegration(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self) -> type[ChatCacheBlend]:
-        return ChatCacheBlend
-
-    @property
-    def chat_model_params(self) -> dict:
-        return PARAMS
-
-    @property
-    def has_tool_calling(self) -> bool:
-        return False
-
-    @property
-    def has_structured_output(self) -> bool:
-        return False
-
+class TestChatCacheBlendIntegration(_ChatCacheBlendParams, ChatModelIntegrationTests):
     @property
     def supports_json_mode(self) -> bool:
         return False

@@ -298,17 +298,7 @@ class Engine:
         *,
         system: str | None = None,
         preamble: str = "",
-        method: str = "blend",
-        recompute_ratio: float | str = 0.15,
-        quality_floor: float = 0.15,
-        check_layers: Sequence[int] = (1,),
-        deviation: str = "v",
-        gradual: bool = False,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: Sequence[str] | str = (),
-        seed: int | None = None,
+        **options,
     ) -> Generation:
         """Validate a request now and return its :class:`Generation`, which runs lazily:
         iterate ``.pieces`` for text, then read ``.result`` (stats, TTFT).
@@ -318,7 +308,7 @@ class Engine:
         ``recompute_ratio`` (a share, or ``"auto"``: the loading controller picks it, never
         below ``quality_floor``), ``check_layers``, ``deviation`` (``"v"``, ``"k"``, ``"kv"``),
         ``gradual``: the HKVD selection (see :class:`BlendConfig`); ``max_new_tokens``,
-        ``temperature``, ``top_p``, ``stop``, ``seed``: decoding."""
+        ``temperature``, ``top_p``, ``stop``, ``seed``: decoding (defaults: :meth:`_begin`)."""
         t0 = time.perf_counter()
         if not isinstance(query, str) or not query.strip():
             raise CacheBlendError("query must be a non-empty string")
@@ -326,10 +316,7 @@ class Engine:
             chunks = [chunks]
         handles = [self._resolve(c) for c in chunks]
         prompt = self.prompts.build(query, [list(h.token_ids) for h in handles], system, preamble)
-        return self._begin(prompt, handles, t0, method=method, recompute_ratio=recompute_ratio,
-                           quality_floor=quality_floor, check_layers=check_layers, deviation=deviation,
-                           gradual=gradual, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, stop=stop, seed=seed)
+        return self._begin(prompt, handles, t0, **options)
 
     def start_chat(
         self,

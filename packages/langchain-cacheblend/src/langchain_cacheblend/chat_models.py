@@ -19,7 +19,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, SecretStr
 
-from cacheblend import CacheBlendError, Engine, Generation, Result
+from cacheblend import Engine, Generation, Result
 from cacheblend.aio import iterate_in_thread, run_in_thread
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -152,7 +152,7 @@ class ChatCacheBlend(BaseChatModel):
                     _check(deadline, self.timeout)
                 _check(deadline, self.timeout)
                 break
-            except (CacheBlendError, TimeoutError, ValueError):
+            except (TimeoutError, ValueError):  # bad input (CacheBlendError is one) or too slow: no retry
                 raise
             except Exception:
                 if attempt + 1 == self._attempts():
