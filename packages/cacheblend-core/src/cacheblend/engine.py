@@ -13,32 +13,22 @@ import torch
 from .blend.controller import LoadingController
 from .blend.fusor import FusionReport, KVCache, Segment, decode_step, fused_prefill
 from .blend.selection import BlendConfig
+from .chat import ROLES, plan_chat  # noqa: F401 - ROLES re-exported
 from .decode import Sampler, SamplingConfig, TextStream
+from .errors import CacheBlendError, UnknownChunkError  # noqa: F401 - re-exported
 from .models.decoder import Decoder
 from .models.loader import LoadedModel, load_model
-from .passages import PassageIndex, Piece, cut
+from .passages import PassageIndex
 from .prompt import PromptBuilder, PromptIds
 from .store import ChunkKV, CorruptEntry, LayerSource, Tier, chunk_key, open_store
 from .store.entry import PrefixView
 
 METHODS = ("full", "prefix", "reuse", "blend")
-ROLES = ("system", "user", "assistant")
 _ATTEMPTS = 3
 
 
 _SHARED: dict[tuple, Engine] = {}
 _SHARED_LOCK = threading.Lock()
-
-
-class CacheBlendError(ValueError):
-    """Bad input to the engine; the message names the problem."""
-
-
-class UnknownChunkError(CacheBlendError, KeyError):
-    """A chunk handle this engine cannot resolve (unknown key, or made by another model)."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)
@@ -335,83 +325,12 @@ class Engine:
         ``documents`` not already in the messages go in front of the last user message.
         Options are those of :meth:`start` except ``system``/``preamble``/``chunks``."""
         t0 = time.perf_counter()
-        msgs = self._messages(messages)
-        docs = self._documents(documents)
-        for d in docs:
-            self.passages.add(d)
-        missing = [d for d in docs if not any(d in m["content"] for m in msgs)]
-        if missing:
-            users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
-            if not users:
-                raise CacheBlendError("documents need a user message to go in front of")
-            last = users[-1]
-            msgs[last] = {"role": "user", "content": "".join(d + "\n\n" for d in missing) + msgs[last]["content"]}
-        pieces: list[Piece] = []
-        for text, i in self.prompts.chat_parts(msgs):
-            if i is None:
-                pieces.append(Piece(text))
-                continue
-            learnable = learn and msgs[i]["role"] in ("system", "user")
-            pieces += cut(text, self.passages, self.learn_min_chars if learnable else None,
-                          keep_tail=i == len(msgs) - 1)
-        prompt, handles = self._layout(pieces)
-        learned = [p.passage for p in pieces if p.learned and p.passage]
-        for passage in learned:
-            self.passages.add(passage)
-        run = self._begin(prompt, handles, t0, **options)
-        run.stats.chunks_learned = len(learned)
+        plan = plan_chat(self.prompts, self.passages, messages, documents, learn=learn,
+                         learn_min_chars=self.learn_min_chars)
+        handles = [self._handle(ids) for ids in plan.prompt.chunks]
+        run = self._begin(plan.prompt, handles, t0, **options)
+        run.stats.chunks_learned = len(plan.learned)
         return run
-
-    def _messages(self, messages) -> list[dict[str, str]]:
-        if isinstance(messages, (str, dict)) or not messages:
-            raise CacheBlendError("messages must be a non-empty list of {'role', 'content'} dicts")
-        out = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise CacheBlendError(
-                    f"message {i} must be a dict with role in {ROLES} and string content, got {m!r:.80}"
-                )
-            out.append({"role": m["role"], "content": m["content"]})
-        if not any(m["content"].strip() for m in out):
-            raise CacheBlendError("every message is empty")
-        return out
-
-    def _documents(self, documents) -> list[str]:
-        if isinstance(documents, str):
-            documents = [documents]
-        docs = []
-        for d in documents:
-            if not isinstance(d, str) or not d.strip():
-                raise CacheBlendError(f"a document must be a non-empty string, got {d!r:.80}")
-            docs.append(d)
-        return docs
-
-    def _layout(self, pieces: list[Piece]) -> tuple[PromptIds, list[ChunkHandle]]:
-        """Token ids of the pieces, each tokenized on its own: text before the first chunk
-        is the exact prefix, text between chunks gaps, the rest the suffix."""
-        while pieces and pieces[-1].passage is not None:  # the last token must be computed
-            pieces[-1] = Piece(pieces[-1].text)
-        runs: list[tuple[str, bool]] = []
-        for p in pieces:
-            chunk = p.passage is not None
-            if runs and not chunk and not runs[-1][1]:
-                runs[-1] = (runs[-1][0] + p.text, False)
-            elif p.text:
-                runs.append((p.text, chunk))
-        if not any(chunk for _, chunk in runs):
-            return PromptIds([], [], self.prompts.encode("".join(t for t, _ in runs))), []
-        prefix = self.prompts.encode(runs.pop(0)[0]) if not runs[0][1] else []
-        chunks, gaps, handles = [], [], []
-        for text, chunk in runs[:-1]:
-            if chunk:
-                ids = self.prompts.encode(text)
-                chunks.append(ids)
-                gaps.append([])
-                handles.append(self._handle(ids))
-            else:
-                gaps[-1] = self.prompts.encode(text)
-        suffix = self.prompts.encode(runs[-1][0])
-        return PromptIds(prefix, chunks, suffix, tuple(gaps)), handles
 
     def _begin(
         self,

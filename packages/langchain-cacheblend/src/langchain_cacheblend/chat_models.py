@@ -2,7 +2,9 @@
 
 It translates LangChain messages and documents into the engine's chat request and the
 engine's result back into an ``AIMessage``; finding passages in the prompt, caching and
-blending all happen in the core (:meth:`cacheblend.Engine.start_chat`).
+blending all happen in the core (:meth:`cacheblend.Engine.start_chat`), or, with
+``base_url``, on a vLLM server running the CacheBlend connector
+(:class:`cacheblend.remote.RemoteEngine`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, SecretStr
 
 from cacheblend import Engine, Generation, Result
 from cacheblend.aio import iterate_in_thread, run_in_thread
+from cacheblend.remote import RemoteEngine
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _ROLE_OF = {"system": "system", "human": "user", "ai": "assistant"}
@@ -59,8 +62,12 @@ class ChatCacheBlend(BaseChatModel):
     """Retries of a call that failed for a reason other than bad input (e.g. a store error)."""
     seed: int | None = None
     streaming: bool = False
+    base_url: str | None = Field(default=None, alias="openai_api_base")
+    """An OpenAI-compatible vLLM server with ``CacheBlendConnector`` (e.g.
+    ``http://127.0.0.1:8000/v1``) to answer instead of the in-process engine; ``model``
+    then names a model it serves (None: its first)."""
     api_key: SecretStr | None = None
-    """Accepted for parity with hosted chat models; the in-process engine needs none."""
+    """The server's API key, with ``base_url``; the in-process engine needs none."""
 
     method: Literal["blend", "full", "prefix", "reuse"] = "blend"
     recompute_ratio: float | Literal["auto"] = 0.15
@@ -68,9 +75,9 @@ class ChatCacheBlend(BaseChatModel):
     learn_passages: bool = True
     """Cache long paragraphs of the prompt that are not known passages yet."""
 
-    engine: Engine | None = Field(default=None, exclude=True)
+    engine: Engine | RemoteEngine | None = Field(default=None, exclude=True)
     """An engine to use instead of the shared one for ``model``/``store``."""
-    _engine: Engine | None = PrivateAttr(default=None)
+    _engine: Engine | RemoteEngine | None = PrivateAttr(default=None)
 
     # -- what LangChain asks of a chat model ---------------------------------------------
     @property
@@ -79,7 +86,7 @@ class ChatCacheBlend(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model_label, "store": self.store, "method": self.method,
+        return {"model": self.model_label, "store": self.store, "base_url": self.base_url, "method": self.method,
                 "recompute_ratio": self.recompute_ratio, "temperature": self.temperature}
 
     @property
@@ -96,10 +103,16 @@ class ChatCacheBlend(BaseChatModel):
             params["ls_stop"] = stop
         return params
 
-    def get_engine(self) -> Engine:
-        """The engine, loaded on first use (so constructing the model costs nothing)."""
+    def get_engine(self) -> Engine | RemoteEngine:
+        """The engine, loaded (or connected to) on first use, so constructing costs nothing."""
         if self._engine is None:
-            self._engine = self.engine or Engine.shared(self.model, store=self.store)
+            if self.engine is not None:
+                self._engine = self.engine
+            elif self.base_url:
+                key = self.api_key.get_secret_value() if self.api_key else None
+                self._engine = RemoteEngine.shared(self.base_url, self.model, api_key=key)
+            else:
+                self._engine = Engine.shared(self.model, store=self.store)
         return self._engine
 
     # -- ingestion -----------------------------------------------------------------------

@@ -38,6 +38,17 @@ How it works (facts about vLLM's side are in docs/vllm.md, "Connector notes"):
   ``KVTransferConfig(kv_load_failure_policy="recompute")``, or fails the request (its
   default, ``"fail"``), never decoding from zeroed blocks.
 
+Per request, ``kv_transfer_params`` (``SamplingParams(extra_args={"kv_transfer_params": ...})``
+offline, or the ``kv_transfer_params`` field of an OpenAI-API request to ``vllm serve``)
+may carry what a client that built the prompt knows (:class:`cacheblend.remote.RemoteEngine`
+sends these): ``"chunks"``, the ``[start, end)`` token spans of the chunks (then the registry
+is not consulted); ``"method"``: ``"blend"`` (default), ``"reuse"`` (ratio 0) or ``"full"``
+(the connector stays out); ``"recompute_ratio"``.  Two operations ride on ordinary requests:
+``{"cacheblend": "ingest", "sink": s}`` on a prompt of ``s`` sink ids followed by a chunk's
+ids stores *vLLM's own* K/V of that chunk (keys un-rotated, the core's entry format), and
+``{"cacheblend": "release", "ids": [...]}`` deletes a chunk's entry.  With ``"stats"`` (a
+file path) in the extra config, the worker appends one JSON line per load, save or release.
+
 Run vLLM with ``enable_prefix_caching=False``: otherwise blended blocks enter vLLM's prefix
 cache under their token hashes and a later request with the same prefix reuses them as if
 they were exact.  Only the ``vec`` attention ISA (float32 on AVX-512 CPUs) has the
@@ -200,11 +211,50 @@ class BlendLoad:
     start: int
     spans: list[tuple[int, int]]
     recompute_ratio: float
+    selection: dict[str, Any] = field(default_factory=dict)  # check_layers, deviation, gradual
+
+
+@dataclass
+class ChunkSave:
+    """An ingest request: vLLM computes ``token_ids`` (``sink`` sink ids, then the chunk) and
+    the worker stores the chunk's K/V from ``block_ids`` after the forward."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    sink: int
 
 
 @dataclass
 class CacheBlendMeta(KVConnectorMetadata):
     loads: list[BlendLoad] = field(default_factory=list)
+    saves: list[ChunkSave] = field(default_factory=list)
+    releases: list[list[int]] = field(default_factory=list)  # chunk ids whose entries go
+
+
+_METHODS = ("blend", "reuse", "full")
+
+
+def request_params(request: Any) -> dict:
+    """The request's ``kv_transfer_params`` (a dict, or empty)."""
+    params = getattr(request, "kv_transfer_params", None)
+    return params if isinstance(params, dict) else {}
+
+
+def valid_spans(spans: Any, n: int) -> list[tuple[int, int]] | None:
+    """Client-given chunk spans, if they are sorted, disjoint, non-empty and end before the
+    last prompt token (which vLLM must compute); None otherwise (the spans are then ignored:
+    the scheduler must never fail a request over its hints)."""
+    try:
+        out = [(int(a), int(b)) for a, b in spans]
+    except (TypeError, ValueError):
+        return None
+    prev = 0
+    for a, b in out:
+        if not (prev <= a < b <= n - 1):
+            return None
+        prev = b
+    return out
 
 
 def _layer_index(name: str) -> int:
@@ -241,7 +291,9 @@ class CacheBlendConnector(KVConnectorBase_V1):
         # scheduler side
         self._matcher: ChunkMatcher | None = None
         self._spans: dict[str, list[tuple[int, int]]] = {}  # req_id -> matched spans (a pure cache)
-        self._pending: dict[str, tuple[list[int], int, list[tuple[int, int]], float]] = {}
+        self._pending: dict[str, BlendLoad] = {}
+        self._ops: dict[str, tuple[str, Any]] = {}  # req_id -> ("ingest", sink) | ("release", ids)
+        self.stats_path: str | None = extra.get("stats")
         # worker side
         self._engine = None
         self._kv_caches: list[torch.Tensor] = []
@@ -261,26 +313,54 @@ class CacheBlendConnector(KVConnectorBase_V1):
         return self._matcher
 
     def _match(self, request: Any) -> list[tuple[int, int]]:
+        """The request's chunk spans: the client's (``"chunks"``), else those of registered
+        passages found in its ids; none for an operation or ``method="full"``."""
         spans = self._spans.get(request.request_id)
         if spans is None:
             ids = list(request.prompt_token_ids or [])
-            spans = self._get_matcher().find(ids, end_limit=len(ids) - 1) if len(ids) >= self.min_tokens else []
+            params = request_params(request)
+            spans = []
+            if params.get("cacheblend") is None and params.get("method", "blend") in ("blend", "reuse"):
+                given = params.get("chunks")
+                if given is not None:
+                    spans = valid_spans(given, len(ids)) or []
+                    if not spans and given:
+                        log.warning("CacheBlend: ignoring invalid chunk spans of %s", request.request_id)
+                elif len(ids) >= self.min_tokens:
+                    spans = self._get_matcher().find(ids, end_limit=len(ids) - 1)
             self._spans[request.request_id] = spans
         return spans
 
+    def _ratio(self, params: dict) -> float:
+        if params.get("method") == "reuse":
+            return 0.0
+        try:
+            ratio = float(params.get("recompute_ratio", self.recompute_ratio))
+        except (TypeError, ValueError):
+            ratio = self.recompute_ratio
+        return min(1.0, max(0.0, ratio))
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         n = len(request.prompt_token_ids or [])
-        if n < self.min_tokens or not self._match(request):
+        if not self._match(request):
             return 0, False
         return max(0, n - 1 - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        ids = list(request.prompt_token_ids or [])
+        params = request_params(request)
+        op = params.get("cacheblend")
+        if op == "ingest" and isinstance(params.get("sink"), int) and 0 <= params["sink"] < len(ids):
+            self._ops[request.request_id] = ("ingest", params["sink"])
+        elif op == "release" and isinstance(params.get("ids"), list):
+            self._ops[request.request_id] = ("release", [int(t) for t in params["ids"]])
+        elif op is not None:
+            log.warning("CacheBlend: unknown or malformed operation %r of %s", op, request.request_id)
         if num_external_tokens <= 0:
             return
-        ids = list(request.prompt_token_ids or [])
-        params = getattr(request, "kv_transfer_params", None) or {}
-        ratio = float(params.get("recompute_ratio", self.recompute_ratio))
-        self._pending[request.request_id] = (ids, len(ids) - 1 - num_external_tokens, self._match(request), ratio)
+        selection = {k: params[k] for k in ("check_layers", "deviation", "gradual") if k in params}
+        self._pending[request.request_id] = BlendLoad(request.request_id, ids, [], len(ids) - 1 - num_external_tokens,
+                                                      self._match(request), self._ratio(params), selection)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """Loads for this step's new requests, and for requests resumed after preemption
@@ -292,15 +372,30 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 blocks[req_id] = cached.new_block_ids[i][0]
         meta = CacheBlendMeta()
         for req_id, block_ids in blocks.items():
-            pending = self._pending.pop(req_id, None)
-            if pending is not None:
-                ids, start, spans, ratio = pending
-                meta.loads.append(BlendLoad(req_id, ids, list(block_ids), start, spans, ratio))
+            load = self._pending.pop(req_id, None)
+            if load is not None:
+                load.block_ids = list(block_ids)
+                meta.loads.append(load)
+        for new in scheduler_output.scheduled_new_reqs:
+            op = self._ops.pop(new.req_id, None)
+            if op is None:
+                continue
+            kind, arg = op
+            if kind == "release":
+                meta.releases.append(arg)
+                continue
+            ids = list(new.prompt_token_ids or [])
+            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            if new.num_computed_tokens == 0 and scheduled >= len(ids):
+                meta.saves.append(ChunkSave(new.req_id, ids, list(new.block_ids[0]), arg))
+            else:  # prefilled over several steps: not saved; the core computes it on first use
+                log.warning("CacheBlend: ingest request %s not prefilled in one step; not saved", new.req_id)
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._spans.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
+        self._ops.pop(request.request_id, None)
         return False, None
 
     # ---- worker side ---------------------------------------------------------------
@@ -327,44 +422,49 @@ class CacheBlendConnector(KVConnectorBase_V1):
         if len(self._kv_caches) != dec.num_layers:
             raise RuntimeError(f"{len(self._kv_caches)} vLLM KV layers, the model has {dec.num_layers}")
 
-    def _segments(self, load: BlendLoad):
+    def _segments(self, load: BlendLoad, counter):
         from ..blend.fusor import Segment
-        from ..engine import _Counter
 
         eng = self.engine()
-        counter = _Counter()
         segs, pos, ids = [], 0, load.token_ids
         for a, b in load.spans:
             if a > pos:
                 segs.append(Segment(ids[pos:a]))
-            handle = eng._handle(ids[a:b])
-            segs.append(Segment(ids[a:b], eng._chunk_kv(handle, counter)))
+            segs.append(Segment(ids[a:b], eng._chunk_kv(eng._handle(ids[a:b]), counter)))
             pos = b
         segs.append(Segment(ids[pos:]))
-        return segs, counter
+        return segs
 
     def _blend(self, load: BlendLoad) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fused K (post-RoPE) and V ``[layers, heads, tokens, head_dim]`` of the whole prompt."""
+        """Fused K (post-RoPE) and V ``[layers, heads, tokens, head_dim]`` of the whole prompt.
+        As in the engine: an entry that fails verification mid-read was dropped by its tier,
+        so look up again (it is recomputed and replaced), bypassing the store at the end."""
         from ..blend.fusor import KVCache, fused_prefill
         from ..blend.selection import BlendConfig
+        from ..engine import _ATTEMPTS, _Counter
         from ..store import CorruptEntry
 
         eng = self.engine()
+        config = BlendConfig(recompute_ratio=load.recompute_ratio, **{
+            k: tuple(v) if k == "check_layers" else v for k, v in load.selection.items()})
+        config.validate_for(eng.decoder.shape.num_layers)
         kv = KVCache(eng.decoder.shape, len(load.token_ids), eng.device)
-        for attempt in range(2):
-            segs, counter = self._segments(load)
-            counter.bypass_store = attempt == 1
+        counter = _Counter()
+        for attempt in range(_ATTEMPTS):
+            counter.bypass_store = attempt == _ATTEMPTS - 1
+            segs = self._segments(load, counter)
             try:
-                report = fused_prefill(eng.decoder, segs, kv, BlendConfig(recompute_ratio=load.recompute_ratio),
-                                       prefetch=eng.prefetch)
+                report = fused_prefill(eng.decoder, segs, kv, config, prefetch=eng.prefetch)
                 break
             except CorruptEntry:
-                if attempt == 1:
+                counter.corrupt += 1
+                if attempt == _ATTEMPTS - 1:
                     raise
-        self.last_stats = {"req_id": load.req_id, "prompt_tokens": report.prompt_tokens,
-                           "chunks": len(load.spans), "reused": report.reused_tokens,
-                           "recomputed": report.recomputed_tokens, "computed": report.computed_tokens,
-                           "store_hits": counter.hits, "store_misses": counter.misses}
+        self.last_stats = {"req_id": load.req_id, "op": "load", "prompt_tokens": report.prompt_tokens,
+                           "chunks": len(load.spans), "recompute_ratio": load.recompute_ratio,
+                           "reused": report.reused_tokens, "recomputed": report.recomputed_tokens,
+                           "computed": report.computed_tokens, "store_hits": counter.hits,
+                           "store_misses": counter.misses, "store_rejected": counter.corrupt + counter.foreign}
         return kv.k, kv.v
 
     def _write(self, load: BlendLoad, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -377,9 +477,62 @@ class CacheBlendConnector(KVConnectorBase_V1):
             k_t[blk, :, :, off] = k[layer, :, load.start : end].permute(1, 0, 2).to(cache.dtype)
             v_pg[blk, :, off] = v[layer, :, load.start : end].permute(1, 0, 2).to(cache.dtype)
 
+    def _record(self, stats: dict[str, Any]) -> None:
+        log.info("CacheBlend %s", stats)
+        if self.stats_path:
+            with _LOCK, open(self.stats_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(stats) + "\n")
+
+    def _read(self, token_ids: list[int], block_ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (as stored: post-RoPE) and V ``[layers, heads, tokens, head_dim]`` of tokens
+        ``[start, len(token_ids))`` from the request's blocks."""
+        t = torch.arange(start, len(token_ids))
+        blk = torch.tensor(block_ids, dtype=torch.long)[t // self.block_size]
+        off = t % self.block_size
+        ks, vs = [], []
+        for cache in self._kv_caches:
+            k_t, v_pg = paged_views(cache, self.block_size)
+            ks.append(k_t[blk, :, :, off].permute(1, 0, 2))  # [n, H, D] -> [H, n, D]
+            vs.append(v_pg[blk, :, off].permute(1, 0, 2))
+        return torch.stack(ks), torch.stack(vs)
+
+    def _save(self, save: ChunkSave) -> None:
+        """Store vLLM's K/V of an ingest request's chunk as the core's entry: keys rotated
+        back to no position (vLLM stores them after RoPE at positions ``sink, sink+1, …``)."""
+        from ..models.decoder import apply_rope
+        from ..store import ChunkKV
+
+        eng = self.engine()
+        sink, chunk = save.token_ids[: save.sink], save.token_ids[save.sink :]
+        if sink != list(eng._sink):
+            raise ValueError(f"ingest sink {sink} is not the engine's chunk sink {list(eng._sink)}")
+        handle = eng._handle(chunk)
+        if eng.store.open(handle.key) is not None:
+            self._record({"req_id": save.req_id, "op": "ingest", "key": handle.key[:16], "stored": False})
+            return
+        k, v = self._read(save.token_ids, save.block_ids, save.sink)
+        cos, sin = eng.decoder.rope_tables(torch.arange(save.sink, len(save.token_ids)))
+        k = apply_rope(k.float(), cos[None, None].float(), -sin[None, None].float()).to(eng.decoder.shape.dtype)
+        entry = ChunkKV(k.contiguous(), v.to(k.dtype).contiguous(), eng._meta(chunk, eng.chunk_policy))
+        eng.store.put(handle.key, entry)
+        self._record({"req_id": save.req_id, "op": "ingest", "key": handle.key[:16], "stored": True,
+                      "tokens": len(chunk)})
+
+    def _release(self, ids: list[int]) -> None:
+        eng = self.engine()
+        removed = bool(eng.store.delete(eng._handle(ids).key))
+        self._record({"op": "release", "tokens": len(ids), "removed": removed})
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, CacheBlendMeta) or not meta.loads:
+        if not isinstance(meta, CacheBlendMeta):
+            return
+        for ids in meta.releases:
+            try:
+                self._release(ids)
+            except Exception:  # noqa: BLE001 - a failed delete must not fail the step
+                log.exception("CacheBlend release failed")
+        if not meta.loads:
             return
         self._check_layout(forward_context)
         for load in meta.loads:
@@ -394,7 +547,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 log.exception("CacheBlend load failed for %s; vLLM recomputes its blocks", load.req_id)
                 self._failed_blocks.update(load.block_ids[load.start // self.block_size :])
                 continue
-            log.info("CacheBlend %s", self.last_stats)
+            self._record(self.last_stats)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -407,7 +560,16 @@ class CacheBlendConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        return
+        """After the forward: store the chunks of this step's ingest requests."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, CacheBlendMeta):
+            return
+        for save in meta.saves:
+            try:
+                with torch.inference_mode():
+                    self._save(save)
+            except Exception:  # noqa: BLE001 - the chunk is then computed by the core on first use
+                log.exception("CacheBlend save failed for %s", save.req_id)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

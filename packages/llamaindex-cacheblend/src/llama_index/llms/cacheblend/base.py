@@ -3,7 +3,9 @@
 Every call goes through :meth:`Engine.start_chat`, which finds the passages it already
 knows (ingested, or learned from earlier prompts) inside the formatted prompt by their
 text, so any stock LlamaIndex chain that pastes retrieved chunks verbatim reuses their
-KV caches without knowing about CacheBlend.  This module only translates: messages to
+KV caches without knowing about CacheBlend.  With ``base_url`` the same calls go to a vLLM
+server running the CacheBlend connector (:class:`cacheblend.remote.RemoteEngine`).
+This module only translates: messages to
 dicts, options to engine keywords, results to LlamaIndex responses.
 """
 
@@ -29,6 +31,7 @@ from llama_index.core.llms.custom import CustomLLM
 
 from cacheblend import METHODS, CacheBlendError, Engine, Generation, Result
 from cacheblend.aio import iterate_in_thread, run_in_thread
+from cacheblend.remote import RemoteEngine
 
 # LlamaIndex roles the chat template knows under another name.  Tool and function
 # results are information handed to the model, so they travel as user turns.
@@ -93,13 +96,22 @@ class CacheBlendLLM(CustomLLM):
     seed: int | None = None
     stop: list[str] = Field(default_factory=list, description="Strings that end the answer.")
     learn: bool = Field(default=True, description="Cache long unknown paragraphs of prompts for next time.")
+    base_url: str | None = Field(default=None, description="An OpenAI-compatible vLLM server with the CacheBlend "
+                                                           "connector to answer instead of the in-process engine.")
+    api_key: str | None = Field(default=None, description="The server's API key, with base_url.")
 
-    _engine: Engine = PrivateAttr()
+    _engine: Engine | RemoteEngine = PrivateAttr()
 
-    def __init__(self, engine: Engine | None = None, **data: Any) -> None:
-        """``engine``: use this engine instead of ``Engine.shared(model, store=store)``."""
+    def __init__(self, engine: Engine | RemoteEngine | None = None, **data: Any) -> None:
+        """``engine``: use this engine instead of ``Engine.shared(model, store=store)`` (or,
+        with ``base_url``, a :class:`RemoteEngine` on that server)."""
         super().__init__(**data)
-        self._engine = engine if engine is not None else Engine.shared(self.model, store=self.store)
+        if engine is not None:
+            self._engine = engine
+        elif self.base_url:
+            self._engine = RemoteEngine.shared(self.base_url, self.model, api_key=self.api_key)
+        else:
+            self._engine = Engine.shared(self.model, store=self.store)
 
     @field_validator("method")
     @classmethod
@@ -113,7 +125,7 @@ class CacheBlendLLM(CustomLLM):
         return "CacheBlendLLM"
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> Engine | RemoteEngine:
         return self._engine
 
     @property

@@ -1,0 +1,125 @@
+"""From chat messages to a CacheBlend prompt: which text is a chunk, and its token ids.
+
+Shared by the in-process :class:`~cacheblend.engine.Engine` and the
+:class:`~cacheblend.remote.RemoteEngine` (a client of a vLLM server with the CacheBlend
+connector), so that both lay a chat out the same way and a chunk gets the same ids, hence
+the same cache, whichever of them sends it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import CacheBlendError
+from .passages import PassageIndex, Piece, cut
+from .prompt import PromptBuilder, PromptIds
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class ChatPlan:
+    """The prompt, and the passages of it that were learned (not known before)."""
+
+    prompt: PromptIds
+    learned: list[str]
+
+
+def check_messages(messages) -> list[dict[str, str]]:
+    if isinstance(messages, (str, dict)) or not messages:
+        raise CacheBlendError("messages must be a non-empty list of {'role', 'content'} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise CacheBlendError(f"message {i} must be a dict with role in {ROLES} and string content, got {m!r:.80}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["content"].strip() for m in out):
+        raise CacheBlendError("every message is empty")
+    return out
+
+
+def check_documents(documents) -> list[str]:
+    if isinstance(documents, str):
+        documents = [documents]
+    docs = []
+    for d in documents:
+        if not isinstance(d, str) or not d.strip():
+            raise CacheBlendError(f"a document must be a non-empty string, got {d!r:.80}")
+        docs.append(d)
+    return docs
+
+
+def plan_chat(
+    prompts: PromptBuilder,
+    passages: PassageIndex,
+    messages: Sequence[dict[str, str]],
+    documents: Sequence[str] = (),
+    *,
+    learn: bool = True,
+    learn_min_chars: int = 200,
+) -> ChatPlan:
+    """Known passages (in ``passages``, or given as ``documents``) are found in the message
+    contents by their text; with ``learn``, long paragraphs of system and user contents
+    become chunks too, except the last paragraph of the last message.  ``documents`` not
+    already in the messages go in front of the last user message.  Adds the documents and
+    learned paragraphs to ``passages``."""
+    msgs = check_messages(messages)
+    docs = check_documents(documents)
+    for d in docs:
+        passages.add(d)
+    missing = [d for d in docs if not any(d in m["content"] for m in msgs)]
+    if missing:
+        users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+        if not users:
+            raise CacheBlendError("documents need a user message to go in front of")
+        last = users[-1]
+        msgs[last] = {"role": "user", "content": "".join(d + "\n\n" for d in missing) + msgs[last]["content"]}
+    pieces: list[Piece] = []
+    for text, i in prompts.chat_parts(msgs):
+        if i is None:
+            pieces.append(Piece(text))
+            continue
+        learnable = learn and msgs[i]["role"] in ("system", "user")
+        pieces += cut(text, passages, learn_min_chars if learnable else None, keep_tail=i == len(msgs) - 1)
+    prompt = layout(prompts, pieces)
+    learned = [p.passage for p in pieces if p.learned and p.passage]
+    for passage in learned:
+        passages.add(passage)
+    return ChatPlan(prompt, learned)
+
+
+def layout(prompts: PromptBuilder, pieces: list[Piece]) -> PromptIds:
+    """Token ids of the pieces, each tokenized on its own: text before the first chunk
+    is the exact prefix, text between chunks gaps, the rest the suffix."""
+    pieces = list(pieces)
+    while pieces and pieces[-1].passage is not None:  # the last token must be computed
+        pieces[-1] = Piece(pieces[-1].text)
+    runs: list[tuple[str, bool]] = []
+    for p in pieces:
+        chunk = p.passage is not None
+        if runs and not chunk and not runs[-1][1]:
+            runs[-1] = (runs[-1][0] + p.text, False)
+        elif p.text:
+            runs.append((p.text, chunk))
+    if not any(chunk for _, chunk in runs):
+        return PromptIds([], [], prompts.encode("".join(t for t, _ in runs)))
+    prefix = prompts.encode(runs.pop(0)[0]) if not runs[0][1] else []
+    chunks: list[list[int]] = []
+    gaps: list[list[int]] = []
+    for text, chunk in runs[:-1]:
+        if chunk:
+            chunks.append(prompts.encode(text))
+            gaps.append([])
+        else:
+            gaps[-1] = prompts.encode(text)
+    return PromptIds(prefix, chunks, prompts.encode(runs[-1][0]), tuple(gaps))
+
+
+def chunk_spans(prompt: PromptIds) -> list[tuple[int, int]]:
+    """``[start, end)`` of each chunk in ``prompt.all_ids``."""
+    spans, pos = [], len(prompt.prefix)
+    for ids, chunk in prompt.body():
+        if chunk:
+            spans.append((pos, pos + len(ids)))
+        pos += len(ids)
+    return spans

