@@ -152,3 +152,19 @@ def test_foreign_model_entry_is_rejected(model, tmp_path, default_model_dir):
     r = b.generate(QUERY, PASSAGES[:1], **GEN)
     assert r.stats.store_rejected == 1
     assert b.store.get(key_b).meta["model"] == b.fingerprint  # replaced by B's own
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_entry_is_counted_as_rejected_and_replaced(model, tmp_path, damage):
+    """Damage found when the entry is opened (a truncated header) counts as rejected just
+    like damage found mid-read (flipped data bytes): it was found and not trusted."""
+    engine = Engine.load(model, store=f"disk:{tmp_path}")
+    (h,) = engine.ingest(PASSAGES[:1])
+    clean = engine.generate(QUERY, [h], **GEN)
+    path = engine.store.path(h.key)
+    data = path.read_bytes()
+    mid = len(data) // 2
+    path.write_bytes(data[:mid] if damage == "truncate" else data[:-64] + bytes(b ^ 0xFF for b in data[-64:]))
+    r = engine.generate(QUERY, [h], **GEN)
+    assert r.stats.store_rejected == 1 and r.stats.store_misses == 1
+    assert r.token_ids == clean.token_ids and engine.store.get(h.key) is not None

@@ -1,13 +1,17 @@
 """CacheBlendConnector inside vLLM (CPU, eager): exactness at ratio 1.0, quality at 0.15,
-and chunk caches made by another process (this one) found in the shared disk store.
+chunk caches made by another process (this one) found in the shared disk store, the store's
+failure cases (bad entries, Redis down and back, LMCache's blend-mode bugs), and two vLLM
+processes sharing one Redis tier.
 
-    HF_HUB_OFFLINE=1 .venv-vllm/bin/python -m pytest tests/vllm_connector -q
+    make test-vllm      # or: HF_HUB_OFFLINE=1 .venv-vllm/bin/python -m pytest tests/vllm_connector -q
 
-Two ``LLM``s (plain and with the connector), one at a time; about 3-5 minutes on 2 cores."""
+A plain ``LLM``, then one with the connector kept for the module, then two more processes;
+about 4-6 minutes on 2 cores."""
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,6 +25,8 @@ pytest.importorskip("vllm")
 from cacheblend import Engine  # noqa: E402
 from cacheblend.datasets import QA_PREAMBLE, load_qa  # noqa: E402
 from cacheblend.integrations.vllm import ChunkMatcher, read_passages, register_passages  # noqa: E402
+from cacheblend.store import ChunkKV  # noqa: E402
+from cacheblend.store.entry import read_entry  # noqa: E402
 
 N_PROMPTS, N_PASSAGES, MAX_TOKENS = 5, 4, 8
 pytestmark = pytest.mark.slow
@@ -33,22 +39,19 @@ def setup(tmp_path_factory, default_model_dir):
     root = tmp_path_factory.mktemp("vllm_connector")
     examples = load_qa("musique", "dev", limit=N_PROMPTS, passages=N_PASSAGES)
     engine = Engine.load(default_model_dir, store=f"disk:{root / 'kv'}")
-    prompts = []
+    prompts, handles = [], []
     for ex in examples:
-        handles = engine.ingest(ex.passages)
-        prompts.append(engine.prompts.build(ex.query, [list(h.token_ids) for h in handles], None,
+        handles.append(engine.ingest(ex.passages))
+        prompts.append(engine.prompts.build(ex.query, [list(h.token_ids) for h in handles[-1]], None,
                                             QA_PREAMBLE).all_ids)
     register_passages(root / "passages.jsonl", [p for ex in examples for p in ex.passages])
-    tokenize = engine.prompts.encode
-    del engine
-    gc.collect()
-    return {"root": root, "model": str(default_model_dir), "prompts": prompts, "encode": tokenize,
-            "examples": examples}
+    return {"root": root, "model": str(default_model_dir), "prompts": prompts, "encode": engine.prompts.encode,
+            "examples": examples, "engine": engine, "handles": handles}
 
 
-def _run(model: str, requests: list[tuple[list[int], int, float]], extra: dict | None) -> list:
-    """Greedy outputs of ``(ids, max_tokens, recompute_ratio)`` on a fresh eager LLM."""
-    from vllm import LLM, SamplingParams, TokensPrompt
+def _llm(model: str, extra: dict | None):
+    """A fresh eager LLM, with the connector when ``extra`` (its extra config) is given."""
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kw = {}
@@ -56,32 +59,61 @@ def _run(model: str, requests: list[tuple[list[int], int, float]], extra: dict |
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="CacheBlendConnector", kv_connector_module_path="cacheblend.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=8192,
-              max_num_batched_tokens=8192, max_num_seqs=1, seed=0, **kw)
-    try:
-        outs = []
-        for ids, max_tokens, ratio in requests:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                    extra_args={"kv_transfer_params": {"recompute_ratio": ratio}})
-            (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-            outs.append((list(out.outputs[0].token_ids), out.num_cached_tokens))
-        return outs
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    return LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=8192,
+               max_num_batched_tokens=8192, max_num_seqs=1, seed=0, **kw)
+
+
+def _generate(llm, requests: list[tuple[list[int], int, float]]) -> list[tuple[list[int], int]]:
+    """Greedy ``(tokens, num_cached_tokens)`` of ``(ids, max_tokens, recompute_ratio)``, one by one."""
+    from vllm import SamplingParams, TokensPrompt
+
+    outs = []
+    for ids, max_tokens, ratio in requests:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                extra_args={"kv_transfer_params": {"recompute_ratio": ratio}})
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        outs.append((list(out.outputs[0].token_ids), out.num_cached_tokens))
+    return outs
+
+
+def _shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
-def outputs(setup):
-    """Plain vLLM, then vLLM with the connector: prompt 0 at ratio 1.0 (8 tokens), then every
-    prompt at 0.15.  Also the disk store's file count before and after the connector ran."""
+def plain(setup):
+    """Plain vLLM: prompt 0 with 8 tokens, the others with 1."""
     prompts = setup["prompts"]
-    plain = _run(setup["model"], [(prompts[0], MAX_TOKENS, 1.0)] + [(p, 1, 1.0) for p in prompts[1:]], None)
+    llm = _llm(setup["model"], None)
+    try:
+        return _generate(llm, [(prompts[0], MAX_TOKENS, 1.0)] + [(p, 1, 1.0) for p in prompts[1:]])
+    finally:
+        _shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def blend_llm(setup, plain, redis_server):
+    """vLLM with the connector on the disk store (then a Redis tier), kept for the module;
+    ``stats()`` reads what its worker did."""
+    root = setup["root"]
+    extra = {"store": f"disk:{root / 'kv'},{redis_server.url}", "passages": str(root / "passages.jsonl"),
+             "recompute_ratio": 0.15, "stats": str(root / "stats.jsonl")}
+    llm = _llm(setup["model"], extra)
+    llm.stats = lambda: [json.loads(x) for x in (root / "stats.jsonl").read_text().splitlines()]
+    yield llm
+    _shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def outputs(setup, plain, blend_llm):
+    """Prompt 0 at ratio 1.0 (8 tokens), then every prompt at 0.15, through the connector;
+    and the disk store's file count before and after."""
+    prompts = setup["prompts"]
     kv_dir = setup["root"] / "kv"
     before = sorted(p.name for p in kv_dir.rglob("*") if p.is_file())
-    extra = {"store": f"disk:{kv_dir}", "passages": str(setup["root"] / "passages.jsonl"), "recompute_ratio": 0.15}
-    blend = _run(setup["model"], [(prompts[0], MAX_TOKENS, 1.0)] + [(p, 1, 0.15) for p in prompts], extra)
+    blend = _generate(blend_llm, [(prompts[0], MAX_TOKENS, 1.0)] + [(p, 1, 0.15) for p in prompts])
     after = sorted(p.name for p in kv_dir.rglob("*") if p.is_file())
     return {"prompt0_tokens": len(prompts[0]), "plain": plain, "exact": blend[0], "blend": blend[1:],
             "files": (before, after)}
@@ -123,24 +155,24 @@ def test_chunks_from_another_process_are_reused(outputs):
     assert before and after == before
 
 
-def test_two_vllm_processes_share_one_redis_tier(setup, redis_server, tmp_path):
+def test_two_vllm_processes_share_one_redis_tier(setup, redis_server, tmp_path, outputs):
     """Server A computes the chunks of a prompt it has never seen (passages known only from
     the Redis registry) and stores them in Redis; server B, another process, reuses them."""
-    import json
     import re
     import subprocess
     import sys
     from pathlib import Path
 
     ex = setup["examples"][0]
-    assert register_passages(redis_server.url, ex.passages) == len(ex.passages)
-    assert set(read_passages(redis_server.url)) == set(ex.passages)
+    url = redis_server.url.rsplit("/", 1)[0] + "/1"  # a database of its own: nothing stored by the other tests
+    assert register_passages(url, ex.passages) == len(ex.passages)
+    assert set(read_passages(url)) == set(ex.passages)
     ids_file = tmp_path / "ids.json"
     ids_file.write_text(json.dumps(setup["prompts"][0]))
     script = Path(__file__).with_name("serve_once.py")
     runs = []
     for _ in range(2):
-        proc = subprocess.run([sys.executable, str(script), setup["model"], str(ids_file), redis_server.url],
+        proc = subprocess.run([sys.executable, str(script), setup["model"], str(ids_file), url],
                               capture_output=True, text=True, timeout=400)
         assert proc.returncode == 0, proc.stderr[-3000:]
         stats = re.findall(r"'store_hits': (\d+), 'store_misses': (\d+)", proc.stdout + proc.stderr)
@@ -152,3 +184,102 @@ def test_two_vllm_processes_share_one_redis_tier(setup, redis_server, tmp_path):
     assert hits_b >= N_PASSAGES and misses_b == 0  # ... and B, another process, found them all
     assert out_a["num_cached_tokens"] == out_b["num_cached_tokens"] == len(setup["prompts"][0]) - 1
     assert out_a["first_token"] == out_b["first_token"]
+
+
+# ---------------------------------------------------------------- the store's failure cases, through vLLM
+
+def _core_first_token(setup, handles, ex) -> int:
+    """The core engine's blended first token for ``handles`` in this order (same store)."""
+    return setup["engine"].generate(ex.query, handles, preamble=QA_PREAMBLE, max_new_tokens=1,
+                                    recompute_ratio=0.15).token_ids[0]
+
+
+def _damage(path, how: str, engine, key) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "flipped":
+        mid = len(data) // 2
+        path.write_bytes(data[:mid] + bytes(b ^ 0xFF for b in data[mid : mid + 64]) + data[mid + 64 :])
+    else:  # an entry of another model under this key: same shape, other fingerprint
+        entry = read_entry(engine.store.open(key))
+        engine.store.delete(key)
+        engine.store.put(key, ChunkKV(entry.k, entry.v, {**entry.meta, "model": "f" * 64}))
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped", "foreign"])
+def test_bad_entries_are_recomputed_and_replaced_never_served(setup, outputs, blend_llm, redis_server, how):
+    """A damaged chunk entry is detected by the worker, recomputed, replaced, and the answer
+    is the one the intact cache gave."""
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushdb()  # so the Redis tier cannot serve the intact copy
+    i = {"truncated": 1, "flipped": 2, "foreign": 3}[how]
+    engine, handle = setup["engine"], setup["handles"][i][1]
+    path = engine.store.path(handle.key)
+    intact = read_entry(engine.store.open(handle.key))
+    _damage(path, how, engine, handle.key)
+    (tokens, cached), = _generate(blend_llm, [(setup["prompts"][i], 1, 0.15)])
+    load = blend_llm.stats()[-1]
+    assert load["store_rejected"] == 1 and load["store_misses"] == 1
+    assert tokens == outputs["blend"][i][0] and cached == len(setup["prompts"][i]) - 1
+    replaced = read_entry(engine.store.open(handle.key))
+    assert replaced.meta["model"] == engine.fingerprint and (replaced.k - intact.k).abs().max() < 1e-4
+
+
+def test_lmcache_blend_bug_cases(setup, outputs, blend_llm):
+    """The same prompt twice (LMCache #854), reordered chunks with a 100 % hit (#938), and a
+    chunk not cached in the middle (#3238) all give the answer the core engine gives."""
+    ex, handles, prompts = setup["examples"][0], setup["handles"][0], setup["prompts"][0]
+    twice = _generate(blend_llm, [(prompts, MAX_TOKENS, 0.15)] * 2)
+    assert twice[0] == twice[1]
+
+    reordered = handles[::-1]
+    ids = setup["engine"].prompts.build(ex.query, [list(h.token_ids) for h in reordered], None, QA_PREAMBLE).all_ids
+    (tokens, _), = _generate(blend_llm, [(ids, 1, 0.15)])
+    load = blend_llm.stats()[-1]
+    assert load["store_hits"] == N_PASSAGES and load["store_misses"] == 0
+    assert tokens[0] == _core_first_token(setup, reordered, ex)
+
+    new = "A passage no one cached: the Quux festival is held every spring in the town of Corge."
+    middle = handles[:2] + [setup["engine"]._handle(setup["engine"].prompts.chunk_ids(new))] + handles[2:]
+    register_passages(setup["root"] / "passages.jsonl", [new])
+    ids = setup["engine"].prompts.build(ex.query, [list(h.token_ids) for h in middle], None, QA_PREAMBLE).all_ids
+    (tokens, _), = _generate(blend_llm, [(ids, 1, 0.15)])
+    load = blend_llm.stats()[-1]
+    assert load["chunks"] == N_PASSAGES + 1 and load["store_misses"] == 1  # computed and stored by the worker
+    assert tokens[0] == _core_first_token(setup, middle, ex)
+
+
+def test_redis_down_and_back(setup, outputs, blend_llm, redis_server):
+    """With the Redis tier unreachable, requests still succeed from the disk tier, a chunk
+    not cached anywhere is computed and kept on disk, and the worker says Redis failed;
+    once Redis is back (after the tier's 5 s rest), new chunks reach it again."""
+    import time
+
+    import redis
+
+    def with_new_chunk(i: int, text: str) -> list[int]:
+        register_passages(setup["root"] / "passages.jsonl", [text])
+        ex, engine = setup["examples"][i], setup["engine"]
+        handles = setup["handles"][i] + [engine._handle(engine.prompts.chunk_ids(text))]
+        return engine.prompts.build(ex.query, [list(h.token_ids) for h in handles], None, QA_PREAMBLE).all_ids
+
+    prompt = setup["prompts"][4]
+    redis_server.stop()
+    try:
+        (tokens, cached), = _generate(blend_llm, [(prompt, 1, 0.15)])
+        assert tokens == outputs["blend"][4][0] and cached == len(prompt) - 1
+        ids = with_new_chunk(4, "A passage never cached before: the Grault bridge was rebuilt in 1931 after a flood.")
+        (tokens, cached), = _generate(blend_llm, [(ids, 1, 0.15)])
+        load = blend_llm.stats()[-1]
+        assert cached == len(ids) - 1 and load["store_misses"] == 1 and load["store_unreachable"] >= 1
+    finally:
+        redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    assert client.dbsize() == 0
+    time.sleep(6)
+    ids = with_new_chunk(3, "One more passage never cached: the Garply tower stood on the hill until 1902.")
+    _generate(blend_llm, [(ids, 1, 0.15)])
+    load = blend_llm.stats()[-1]
+    assert load["store_misses"] == 1 and load["store_unreachable"] == 0 and client.dbsize() >= 1

@@ -20,7 +20,7 @@ from .models.decoder import Decoder
 from .models.loader import LoadedModel, load_model
 from .passages import PassageIndex
 from .prompt import PromptBuilder, PromptIds
-from .store import ChunkKV, CorruptEntry, LayerSource, Tier, chunk_key, open_store
+from .store import ChunkKV, CorruptEntry, LayerSource, Tier, chunk_key, open_store, tier_total
 from .store.entry import PrefixView
 
 METHODS = ("full", "prefix", "reuse", "blend")
@@ -468,6 +468,7 @@ class Generation:
         and the controller are shared; decoding, with its own KV cache, runs unlocked)."""
         eng, stats = self.engine, self.stats
         with eng._prefill_lock:
+            dropped = tier_total(eng.store, "corrupt")
             for attempt in range(_ATTEMPTS):
                 # A cache that fails verification mid-read was dropped by its tier; look
                 # up again (it is recomputed), and bypass the store on the last attempt.
@@ -484,6 +485,8 @@ class Generation:
                     break
                 except CorruptEntry:
                     counter.corrupt += 1
+            # Damage found at open is a miss to the lookup but was counted by its tier.
+            counter.corrupt = max(counter.corrupt, tier_total(eng.store, "corrupt") - dropped)
         return report
 
     def _pieces(self) -> Iterator[str]:

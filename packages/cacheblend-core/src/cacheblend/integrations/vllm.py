@@ -442,7 +442,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         from ..blend.fusor import KVCache, fused_prefill
         from ..blend.selection import BlendConfig
         from ..engine import _ATTEMPTS, _Counter
-        from ..store import CorruptEntry
+        from ..store import CorruptEntry, tier_total
 
         eng = self.engine()
         config = BlendConfig(recompute_ratio=load.recompute_ratio, **{
@@ -450,6 +450,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         config.validate_for(eng.decoder.shape.num_layers)
         kv = KVCache(eng.decoder.shape, len(load.token_ids), eng.device)
         counter = _Counter()
+        dropped, unreachable = tier_total(eng.store, "corrupt"), tier_total(eng.store, "unreachable")
         for attempt in range(_ATTEMPTS):
             counter.bypass_store = attempt == _ATTEMPTS - 1
             segs = self._segments(load, counter)
@@ -460,11 +461,13 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 counter.corrupt += 1
                 if attempt == _ATTEMPTS - 1:
                     raise
+        counter.corrupt = max(counter.corrupt, tier_total(eng.store, "corrupt") - dropped)
         self.last_stats = {"req_id": load.req_id, "op": "load", "prompt_tokens": report.prompt_tokens,
                            "chunks": len(load.spans), "recompute_ratio": load.recompute_ratio,
                            "reused": report.reused_tokens, "recomputed": report.recomputed_tokens,
                            "computed": report.computed_tokens, "store_hits": counter.hits,
-                           "store_misses": counter.misses, "store_rejected": counter.corrupt + counter.foreign}
+                           "store_misses": counter.misses, "store_rejected": counter.corrupt + counter.foreign,
+                           "store_unreachable": tier_total(eng.store, "unreachable") - unreachable}
         return kv.k, kv.v
 
     def _write(self, load: BlendLoad, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -15,7 +15,15 @@ from .memory import MemoryStore
 from .tiered import Tier, TieredStore
 
 __all__ = ["ChunkKV", "CorruptEntry", "DiskStore", "LayerSource", "MemoryStore", "RedisStore", "Tier",
-           "TieredStore", "chunk_key", "open_store", "parse_size"]
+           "TieredStore", "chunk_key", "tier_total", "open_store", "parse_size"]
+
+
+def tier_total(store: Tier, counter: str) -> int:
+    """A counter summed over the store's tiers: ``"corrupt"``, entries found damaged and
+    dropped (at open or mid-read, each counted once by its tier); ``"unreachable"``,
+    failed calls to a remote tier."""
+    tiers = getattr(store, "tiers", None) or [store]
+    return sum(int(getattr(t, counter, 0)) for t in tiers)
 
 
 def __getattr__(name: str):
