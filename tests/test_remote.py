@@ -33,8 +33,9 @@ def server(tmp_path_factory, default_model_dir):
             pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm` builds the vLLM venv")
         pytest.skip("no vLLM venv (make vllm)")
     root = tmp_path_factory.mktemp("vllm_serve")
-    srv = VLLMServer(str(default_model_dir), kv_transfer_config(f"disk:{root / 'kv'}", stats=str(root / "stats.jsonl")),
-                     python=str(VLLM_PYTHON), log_path=root / "server.log")
+    config = kv_transfer_config(f"disk:{root / 'kv'}", stats=str(root / "stats.jsonl"),
+                                passages=str(root / "passages.jsonl"))
+    srv = VLLMServer(str(default_model_dir), config, python=str(VLLM_PYTHON), log_path=root / "server.log")
     with srv:
         srv.root = root
         yield srv
@@ -134,6 +135,32 @@ def test_llamaindex_llm_on_the_server(server, remote, example):
     assert done.text.split()[:1] == full.text.split()[:1]
     last = list(llm.stream_chat([ChatMessage(role=MessageRole.USER, content=prompt)]))[-1]
     assert last.message.content == done.text and last.raw["usage"]["completion_tokens"] == 8
+
+
+def test_plain_openai_chat_client_reuses_registered_passages(server, remote, example):
+    """Any OpenAI client: vLLM applies the chat template and tokenizes the whole prompt; the
+    connector finds the registered passages in those token ids and blends them (computing
+    and storing them the first time, reusing them the second)."""
+    from openai import OpenAI
+
+    from cacheblend.integrations.registry import register_passages
+
+    # Stripped: musique passages begin with a blank line, which BPE merges with the "\n\n"
+    # before it into other tokens inside a prompt; token-level matching then cannot see them.
+    passages = [p.strip() for p in example.passages]
+    register_passages(server.root / "passages.jsonl", passages)
+    client = OpenAI(base_url=server.base_url, api_key="EMPTY")
+    content = "\n\n".join(passages) + f"\n\nQuestion: {example.question}"
+    replies, loads = [], []
+    for _ in range(2):
+        replies.append(client.chat.completions.create(model=remote.model_name, max_tokens=4, temperature=0.0,
+                                                      messages=[{"role": "user", "content": content}]))
+        loads.append(stats(server)[-1])
+    assert [x["op"] for x in loads] == ["load", "load"] and loads[0]["req_id"] != loads[1]["req_id"]
+    assert loads[0]["chunks"] == loads[1]["chunks"] == len(passages)
+    assert loads[1]["store_hits"] == len(passages) and loads[1]["store_misses"] == 0
+    assert replies[0].usage.prompt_tokens == loads[0]["prompt_tokens"]  # the very ids vLLM tokenized
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
 
 
 def test_release_deletes_the_servers_entry(server, default_model_dir):

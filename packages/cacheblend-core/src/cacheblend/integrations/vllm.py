@@ -61,13 +61,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,126 +74,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from .registry import REDIS_PASSAGES_KEY, ChunkMatcher, read_passages, register_passages
+
+__all__ = ["REDIS_PASSAGES_KEY", "CacheBlendConnector", "ChunkMatcher", "read_passages", "register_passages"]
+
 log = logging.getLogger("vllm.cacheblend")  # under "vllm", so vLLM's log handler shows it
 
-_ANCHOR = 4  # chunks are indexed by their first ids; shorter chunks are not worth matching
-_LOCK = threading.Lock()
-
-
-# ---------------------------------------------------------------- the passage registry
-
-REDIS_PASSAGES_KEY = "cacheblend:passages"
-
-
-def _is_redis(path: str | os.PathLike) -> bool:
-    return str(path).startswith(("redis://", "rediss://", "unix://"))
-
-
-def _redis(url: str):
-    import redis
-
-    return redis.Redis.from_url(url)
-
-
-def register_passages(path: str | os.PathLike, texts: Iterable[str]) -> int:
-    """Add passage ``texts`` not yet in the registry at ``path`` and return how many were new.
-
-    ``path`` is a JSON-lines file (one JSON string a line) on a filesystem every process
-    sees, or a ``redis://`` URL: then the texts go into the Redis set
-    ``cacheblend:passages``, which is how servers on several hosts that share a Redis store
-    tier also share what to look for.  Call it where the chunks are ingested."""
-    new = [t for t in dict.fromkeys(texts) if isinstance(t, str) and t.strip()]
-    if _is_redis(path):
-        return int(_redis(str(path)).sadd(REDIS_PASSAGES_KEY, *new)) if new else 0
-    p = Path(path)
-    known = set(read_passages(p))
-    new = [t for t in new if t not in known]
-    if new:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        with _LOCK, p.open("a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(t) + "\n" for t in new))  # one write: whole lines
-    return len(new)
-
-
-def read_passages(path: str | os.PathLike) -> list[str]:
-    """The registry's texts; a missing file is empty, a torn last line skipped."""
-    if _is_redis(path):
-        return sorted(m.decode("utf-8") for m in _redis(str(path)).smembers(REDIS_PASSAGES_KEY))
-    p = Path(path)
-    if not p.exists():
-        return []
-    out = []
-    for line in p.read_text(encoding="utf-8").splitlines():
-        try:
-            text = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(text, str):
-            out.append(text)
-    return out
-
-
-def _registry_version(path: str | os.PathLike) -> float | None:
-    """What changes when passages are added: a file's mtime, a Redis set's size."""
-    if _is_redis(path):
-        return float(_redis(str(path)).scard(REDIS_PASSAGES_KEY))
-    try:
-        return Path(path).stat().st_mtime
-    except FileNotFoundError:
-        return None
-
-
-class ChunkMatcher:
-    """Finds known chunks in a prompt's token ids, exactly as the core would tokenize them.
-
-    Each passage gives two id runs: the chunk as ingested (``text`` + separator) and the
-    bare text (a template may follow it with anything); the longest run that matches wins."""
-
-    def __init__(self, encode, separator: str = "\n\n", path: str | os.PathLike | None = None) -> None:
-        self.encode, self.separator = encode, separator
-        self.path = path or None
-        self._mtime: float | None = None
-        self._texts: set[str] = set()
-        self._by_anchor: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-
-    def add(self, texts: Iterable[str]) -> None:
-        for text in texts:
-            if text in self._texts or not text.strip():
-                continue
-            self._texts.add(text)
-            for ids in {tuple(self.encode(text + self.separator)), tuple(self.encode(text))}:
-                if len(ids) >= _ANCHOR:
-                    bucket = self._by_anchor.setdefault(ids[:_ANCHOR], [])
-                    bucket.append(ids)
-                    bucket.sort(key=len, reverse=True)
-
-    def refresh(self) -> None:
-        """Re-read the registry file if it changed since the last read."""
-        if self.path is None:
-            return
-        version = _registry_version(self.path)
-        if version is not None and version != self._mtime:
-            self._mtime = version
-            self.add(read_passages(self.path))
-
-    def find(self, ids: Sequence[int], end_limit: int | None = None) -> list[tuple[int, int]]:
-        """Non-overlapping ``(start, end)`` spans of known chunks in ``ids``, left to right,
-        each ending at or before ``end_limit`` (default: all of ``ids``)."""
-        limit = len(ids) if end_limit is None else end_limit
-        spans: list[tuple[int, int]] = []
-        i = 0
-        while i + _ANCHOR <= limit:
-            hit = None
-            for cand in self._by_anchor.get(tuple(ids[i : i + _ANCHOR]), ()):
-                if i + len(cand) <= limit and tuple(ids[i : i + len(cand)]) == cand:
-                    hit = (i, i + len(cand))
-                    break
-            if hit:
-                spans.append(hit)
-                i = hit[1]
-            else:
-                i += 1
-        return spans
+_LOCK = threading.Lock()  # one stats line at a time
 
 
 # ---------------------------------------------------------------- metadata (pickled to the worker)
