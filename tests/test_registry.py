@@ -1,0 +1,34 @@
+"""The vLLM connector's passage registry, used from a process without vLLM (the app that
+ingests): a JSON-lines file or a Redis set, and token-level chunk matching."""
+
+from __future__ import annotations
+
+import sys
+
+from cacheblend.integrations.registry import ChunkMatcher, read_passages, register_passages
+
+
+def test_registry_needs_no_vllm_and_round_trips(tmp_path, redis_server):
+    assert "vllm" not in sys.modules  # importing the registry did not pull vLLM in
+    texts = ["First passage, about rivers.", "Second passage, about lakes.", "First passage, about rivers."]
+    for where in (tmp_path / "p.jsonl", redis_server.url):
+        assert register_passages(where, texts) == 2 and register_passages(where, texts[:1]) == 0
+        assert sorted(read_passages(where)) == sorted(set(texts))
+    with (tmp_path / "p.jsonl").open("a") as f:
+        f.write('"a torn last li')  # a writer died mid-line: skipped, not an error
+    assert len(read_passages(tmp_path / "p.jsonl")) == 2
+
+
+def test_matcher_finds_chunks_by_token_ids(default_engine, tmp_path):
+    prompts = default_engine.prompts
+    passages = ["Paris is the capital of France and its largest city.",
+                "Berlin is the capital of Germany, on the river Spree."]
+    register_passages(tmp_path / "p.jsonl", passages)
+    matcher = ChunkMatcher(prompts.encode, path=tmp_path / "p.jsonl")
+    matcher.refresh()
+    head, tail = prompts.encode("Answer from these:\n"), prompts.encode("Question: which is German?")
+    chunks = [prompts.chunk_ids(p) for p in passages[::-1]]  # any order, any position
+    ids = head + chunks[0] + chunks[1] + tail
+    a = len(head)
+    assert matcher.find(ids) == [(a, a + len(chunks[0])), (a + len(chunks[0]), a + len(chunks[0]) + len(chunks[1]))]
+    assert matcher.find(head + tail) == []
