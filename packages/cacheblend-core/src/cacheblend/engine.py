@@ -14,16 +14,16 @@ from .blend.controller import LoadingController
 from .blend.fusor import FusionReport, KVCache, Segment, decode_step, fused_prefill
 from .blend.selection import BlendConfig
 from .chat import ROLES, plan_chat  # noqa: F401 - ROLES re-exported
-from .decode import Sampler, SamplingConfig, TextStream
+from .decode import Sampler, TextStream
 from .errors import CacheBlendError, UnknownChunkError  # noqa: F401 - re-exported
 from .models.decoder import Decoder
 from .models.loader import LoadedModel, load_model
+from .options import METHODS, RequestOptions  # noqa: F401 - METHODS re-exported
 from .passages import PassageIndex
 from .prompt import PromptBuilder, PromptIds
 from .store import ChunkKV, CorruptEntry, LayerSource, Tier, chunk_key, open_store, tier_total
 from .store.entry import PrefixView
 
-METHODS = ("full", "prefix", "reuse", "blend")
 _ATTEMPTS = 3
 
 
@@ -298,7 +298,7 @@ class Engine:
         ``recompute_ratio`` (a share, or ``"auto"``: the loading controller picks it, never
         below ``quality_floor``), ``check_layers``, ``deviation`` (``"v"``, ``"k"``, ``"kv"``),
         ``gradual``: the HKVD selection (see :class:`BlendConfig`); ``max_new_tokens``,
-        ``temperature``, ``top_p``, ``stop``, ``seed``: decoding (defaults: :meth:`_begin`)."""
+        ``temperature``, ``top_p``, ``stop``, ``seed``: decoding (defaults: :class:`~cacheblend.options.RequestOptions`)."""
         t0 = time.perf_counter()
         if not isinstance(query, str) or not query.strip():
             raise CacheBlendError("query must be a non-empty string")
@@ -332,49 +332,18 @@ class Engine:
         run.stats.chunks_learned = len(plan.learned)
         return run
 
-    def _begin(
-        self,
-        prompt: PromptIds,
-        handles: list[ChunkHandle],
-        t0: float,
-        *,
-        method: str = "blend",
-        recompute_ratio: float | str = 0.15,
-        quality_floor: float = 0.15,
-        check_layers: Sequence[int] = (1,),
-        deviation: str = "v",
-        gradual: bool = False,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: Sequence[str] | str = (),
-        seed: int | None = None,
-    ) -> Generation:
-        if method not in METHODS:
-            raise CacheBlendError(f"method must be one of {METHODS}, got {method!r}")
-        if isinstance(stop, str):
-            stop = (stop,)
-        auto = recompute_ratio == "auto"
-        try:
-            blend = BlendConfig(
-                recompute_ratio=(quality_floor if auto else recompute_ratio) if method == "blend" else 0.0,
-                check_layers=tuple(check_layers),
-                deviation=deviation,
-                gradual=gradual,
-            )
-            blend.validate_for(self.decoder.shape.num_layers)
-            sampling = SamplingConfig(max_new_tokens, float(temperature), float(top_p), tuple(stop), seed)
-        except (TypeError, ValueError) as e:
-            raise CacheBlendError(str(e)) from e
+    def _begin(self, prompt: PromptIds, handles: list[ChunkHandle], t0: float, **options) -> Generation:
+        opts = RequestOptions.parse(options)
+        blend, sampling = opts.blend(self.decoder.shape.num_layers), opts.sampling()
         n = len(prompt.all_ids)
         if n >= self.context_length:
             raise CacheBlendError(
                 f"prompt of {n} tokens does not fit the model's context of {self.context_length} tokens"
             )
-        stats = BlendStats(method=method, recompute_ratio=blend.recompute_ratio, chunks=len(handles))
+        stats = BlendStats(method=opts.method, recompute_ratio=blend.recompute_ratio, chunks=len(handles))
         stats.seconds["tokenize"] = time.perf_counter() - t0
-        run = Generation(self, prompt, handles, method, blend, sampling, stats, t0)
-        run.auto_ratio = auto and method == "blend"
+        run = Generation(self, prompt, handles, opts.method, blend, sampling, stats, t0)
+        run.auto_ratio = opts.auto
         return run
 
     def _resolve(self, chunk: ChunkHandle | str) -> ChunkHandle:

@@ -24,10 +24,10 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from .blend.selection import BlendConfig
 from .chat import chunk_spans, plan_chat
-from .engine import METHODS, BlendStats, ChunkHandle, Result
+from .engine import BlendStats, ChunkHandle, Result
 from .errors import CacheBlendError
+from .options import METHODS, RequestOptions
 from .passages import PassageIndex
 from .prompt import PromptBuilder
 from .store import chunk_key
@@ -174,56 +174,43 @@ class RemoteEngine:
         documents: Sequence[str] = (),
         *,
         learn: bool = True,
-        method: str = "blend",
-        recompute_ratio: float | str = 0.15,
-        check_layers: Sequence[int] = (1,),
-        deviation: str = "v",
-        gradual: bool = False,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: Sequence[str] | str = (),
-        seed: int | None = None,
-        quality_floor: float | None = None,
+        **options: Any,
     ) -> RemoteGeneration:
-        """As :meth:`Engine.start_chat`; the request is sent when ``pieces`` is first read.
-        Passages the server has not stored yet are computed there and stored (the
-        connector's store lookups), so learning needs nothing more here."""
+        """As :meth:`Engine.start_chat` (options: :class:`RequestOptions`); the request is
+        sent when ``pieces`` is first read.  Passages the server has not stored yet are
+        computed there and stored (the connector's store lookups), so learning needs
+        nothing more here."""
         t0 = time.perf_counter()
-        if method not in REMOTE_METHODS:
+        opts = RequestOptions.parse(options)
+        if opts.method not in REMOTE_METHODS:
             raise CacheBlendError(f"method must be one of {REMOTE_METHODS} with a vLLM server "
-                                  f"(of the engine's {METHODS}), got {method!r}")
-        if recompute_ratio == "auto" or quality_floor is not None:
+                                  f"(of the engine's {METHODS}), got {opts.method!r}")
+        if opts.auto:
             raise CacheBlendError("recompute_ratio='auto' (the loading controller) needs the in-process Engine")
-        try:
-            blend = BlendConfig(recompute_ratio=float(recompute_ratio) if method == "blend" else 0.0,
-                                check_layers=tuple(check_layers), deviation=deviation, gradual=gradual)
-        except (TypeError, ValueError) as e:
-            raise CacheBlendError(str(e)) from e
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise CacheBlendError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        blend, sampling = opts.blend(), opts.sampling()
         plan = plan_chat(self.prompts, self.passages, messages, documents, learn=learn,
                          learn_min_chars=self.learn_min_chars)
         ids = plan.prompt.all_ids
         if len(ids) >= self.context_length:
             raise CacheBlendError(f"prompt of {len(ids)} tokens does not fit the server's context of "
                                   f"{self.context_length} tokens")
-        spans = chunk_spans(plan.prompt) if method != "full" else []
+        spans = chunk_spans(plan.prompt) if opts.method != "full" else []
         chunk_tokens = sum(b - a for a, b in spans)
-        recomputed = round(blend.recompute_ratio * chunk_tokens) if not gradual else 0
-        stats = BlendStats(method=method, recompute_ratio=blend.recompute_ratio, prompt_tokens=len(ids),
+        recomputed = round(blend.recompute_ratio * chunk_tokens) if not blend.gradual else 0
+        stats = BlendStats(method=opts.method, recompute_ratio=blend.recompute_ratio, prompt_tokens=len(ids),
                            reused_tokens=chunk_tokens - recomputed, recomputed_tokens=recomputed,
                            chunks=len(spans), chunks_learned=len(plan.learned))
-        params: dict[str, Any] = {"method": method}
+        params: dict[str, Any] = {"method": opts.method}
         if spans:
             params |= {"chunks": [list(s) for s in spans], "recompute_ratio": blend.recompute_ratio,
-                       "check_layers": list(blend.check_layers), "deviation": deviation, "gradual": gradual}
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+                       "check_layers": list(blend.check_layers), "deviation": blend.deviation,
+                       "gradual": blend.gradual}
 
         def stream():
             return self.client.completions.create(
-                model=self.model_name, prompt=ids, max_tokens=max_new_tokens, temperature=float(temperature),
-                top_p=float(top_p), seed=seed, stop=list(stop) or None, stream=True,
+                model=self.model_name, prompt=ids, max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                stop=list(sampling.stop) or None, stream=True,
                 stream_options={"include_usage": True}, extra_body={"kv_transfer_params": params})
 
         return RemoteGeneration(stream, stats, t0)
