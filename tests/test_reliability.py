@@ -115,6 +115,9 @@ def test_writer_killed_mid_write_leaves_nothing_half_written(tmp_path):
 
 
 def test_two_processes_share_one_disk_store(tmp_path):
+    """No partial or wrong entry is read, and the capacity holds on disk.  It failed about
+    every other run on 2026-11-30: a writer evicted by the other process while writing its
+    file still moved the file into place, outside the index (now ``DiskStore._publish``)."""
     cap = 4 * 160_000
     outs = run_sharers(f"disk:{tmp_path}:{cap}", processes=2, rounds=60)
     assert all(o["bad"] == 0 and o["corrupt"] == 0 for o in outs), outs
@@ -168,3 +171,13 @@ def test_damaged_entry_is_counted_as_rejected_and_replaced(model, tmp_path, dama
     r = engine.generate(QUERY, [h], **GEN)
     assert r.stats.store_rejected == 1 and r.stats.store_misses == 1
     assert r.token_ids == clean.token_ids and engine.store.get(h.key) is not None
+
+
+def test_processes_opening_a_new_disk_store_at_once(tmp_path):
+    """Several servers starting on one new store folder: none fails to open it.  Switching
+    the index to WAL takes a lock SQLite does not wait for; it once failed CI with
+    "database is locked" (in test_two_processes_share_one_disk_store)."""
+    from opener import open_at_once
+
+    failed = open_at_once([str(tmp_path / f"s{i}") for i in range(24)])
+    assert failed == []

@@ -298,7 +298,7 @@ class Engine:
         ``recompute_ratio`` (a share, or ``"auto"``: the loading controller picks it, never
         below ``quality_floor``), ``check_layers``, ``deviation`` (``"v"``, ``"k"``, ``"kv"``),
         ``gradual``: the HKVD selection (see :class:`BlendConfig`); ``max_new_tokens``,
-        ``temperature``, ``top_p``, ``stop``, ``seed``: decoding (defaults: :class:`~cacheblend.options.RequestOptions`)."""
+        ``temperature``, ``top_p``, ``stop``, ``seed``: decoding (defaults: :class:`RequestOptions`)."""
         t0 = time.perf_counter()
         if not isinstance(query, str) or not query.strip():
             raise CacheBlendError("query must be a non-empty string")

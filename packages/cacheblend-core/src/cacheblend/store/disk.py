@@ -75,6 +75,22 @@ class DiskSource:
         return k, v
 
 
+def _use_wal(db: sqlite3.Connection, seconds: float = 60.0) -> None:
+    """Put the index in WAL mode (readers never block the writer).  Switching takes an
+    exclusive lock that SQLite does not wait for (no busy handler), so processes opening
+    a new store at the same moment get "database is locked": retry until it is done."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 class DiskStore:
     """Chunk caches as files under ``root``, at most ``capacity_bytes`` in all (LRU)."""
 
@@ -91,7 +107,7 @@ class DiskStore:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.root / "index.sqlite3", timeout=60, check_same_thread=False,
                                    isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        _use_wal(self._db)
         self._db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, bytes INTEGER, used REAL)")
         if self._sql("SELECT COUNT(*) FROM entries")[0][0] == 0:
             self.reindex()
@@ -178,7 +194,9 @@ class DiskStore:
                     f.write(blob)
                     f.flush()
                     os.fsync(f.fileno())
-                os.replace(tmp, path)  # readers see no entry, the old one or the whole new one
+                if not self._publish(key, tmp, path):
+                    Path(tmp).unlink(missing_ok=True)
+                    return False
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
@@ -222,6 +240,24 @@ class DiskStore:
                 raise
             self.evictions += len(evicted)
         return True
+
+    def _publish(self, key: str, tmp: str, path: Path) -> bool:
+        """Move the written file into place if its reservation still stands.  Another
+        process may have evicted it while we wrote; its eviction (index row and file) and
+        this move are each one write transaction, so they cannot interleave and no file
+        outside the index, hence over the capacity, is left behind."""
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                kept = db.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is not None
+                if kept:
+                    os.replace(tmp, path)  # readers see no entry, the old one or the whole new one
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return kept
 
     def delete(self, key: str) -> bool:
         self._sql("DELETE FROM entries WHERE key = ?", (key,))
