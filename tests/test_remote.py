@@ -192,3 +192,11 @@ def test_bad_input_and_bad_servers_are_named(server, remote, example):
     long = [{"role": "user", "content": "word " * 9000}]
     with pytest.raises(CacheBlendError, match="does not fit the server's context"):
         remote.start_chat(long)
+
+
+def test_a_server_without_the_connector_is_refused(tmp_path, default_model_dir, server):
+    """Plain vLLM would ignore the chunk spans and answer with full prefill: the client
+    says so at connection time instead."""
+    with VLLMServer(str(default_model_dir), None, python=str(VLLM_PYTHON), log_path=tmp_path / "plain.log") as plain:
+        with pytest.raises(CacheBlendError, match="does not run CacheBlendConnector"):
+            RemoteEngine(plain.base_url)

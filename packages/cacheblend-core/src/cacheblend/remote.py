@@ -118,6 +118,7 @@ class RemoteEngine:
         self.passages = PassageIndex()
         self.learn_min_chars = 200
         self._sink = self.prompts.sink_ids("bos")
+        self._check_connector()
 
     @classmethod
     def shared(cls, base_url: str, model: str | None = None, *, api_key: str | None = None,
@@ -131,9 +132,20 @@ class RemoteEngine:
             return _SHARED[key]
 
     # -- ingestion -------------------------------------------------------------------
-    def _op(self, ids: list[int], params: dict[str, Any]) -> None:
-        self.client.completions.create(model=self.model_name, prompt=ids, max_tokens=1, temperature=0.0,
-                                       extra_body={"kv_transfer_params": params})
+    def _op(self, ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        """Send a one-token request carrying ``params``; the connector's answer."""
+        reply = self.client.completions.create(model=self.model_name, prompt=ids, max_tokens=1, temperature=0.0,
+                                               extra_body={"kv_transfer_params": params})
+        answer = (reply.model_extra or {}).get("kv_transfer_params") or {}
+        return answer.get("cacheblend") or {}
+
+    def _check_connector(self) -> None:
+        """Without the connector a vLLM server ignores our parameters and answers with
+        full prefill, silently: refuse such a server up front."""
+        if self._op(self._sink, {"cacheblend": "ping"}).get("connector") != "CacheBlendConnector":
+            raise CacheBlendError(
+                f"the server at {self.base_url} answers but does not run CacheBlendConnector; start vLLM with "
+                "--kv-transfer-config (cacheblend.integrations.vllm_server.kv_transfer_config, docs/vllm.md)")
 
     def ingest(self, texts: Iterable[str] | str) -> list[ChunkHandle]:
         """Have the server compute and store each chunk's KV (vLLM's own, saved by the

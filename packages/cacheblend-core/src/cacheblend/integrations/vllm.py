@@ -238,7 +238,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
             self._ops[request.request_id] = ("ingest", params["sink"])
         elif op == "release" and isinstance(params.get("ids"), list):
             self._ops[request.request_id] = ("release", [int(t) for t in params["ids"]])
-        elif op is not None:
+        elif op is not None and op != "ping":  # a ping only asks request_finished who is here
             log.warning("CacheBlend: unknown or malformed operation %r of %s", op, request.request_id)
         if num_external_tokens <= 0:
             return
@@ -277,10 +277,14 @@ class CacheBlendConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._spans.pop(request.request_id, None)
+        """Blocks are freed at once; a request that came with ``kv_transfer_params`` gets
+        ``{"cacheblend": {...}}`` back in its response, so a client knows the connector ran."""
+        spans = self._spans.pop(request.request_id, None) or []
         self._pending.pop(request.request_id, None)
         self._ops.pop(request.request_id, None)
-        return False, None
+        if not request_params(request):
+            return False, None
+        return False, {"cacheblend": {"connector": type(self).__name__, "chunks": len(spans)}}
 
     # ---- worker side ---------------------------------------------------------------
     def engine(self):
