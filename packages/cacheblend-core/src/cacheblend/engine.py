@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -361,6 +361,38 @@ class Engine:
             )
         return chunk
 
+    def fuse(
+        self,
+        lookup: Callable[[_Counter], tuple[list[Segment], BlendConfig]],
+        kv: KVCache,
+        counter: _Counter,
+        observe: Callable[[list[Segment], FusionReport], None] | None = None,
+    ) -> FusionReport:
+        """Run ``lookup`` (the prompt's segments with their caches, and the selection to
+        use) and the fused prefill into ``kv``, one request at a time: the store and the
+        controller are shared (decoding, with its own KV cache, runs unlocked).  A cache
+        that fails verification mid-read was dropped by its tier, so look up again (it is
+        recomputed and replaced), bypassing the store on the last attempt.  The in-process
+        engine and the vLLM connector's worker both prefill through here."""
+        with self._prefill_lock:
+            dropped = tier_total(self.store, "corrupt")
+            for attempt in range(_ATTEMPTS):
+                counter.bypass_store = attempt == _ATTEMPTS - 1
+                segments, blend = lookup(counter)
+                try:
+                    report = fused_prefill(self.decoder, segments, kv, blend, prefetch=self.prefetch)
+                except CorruptEntry:
+                    counter.corrupt += 1
+                    if counter.bypass_store:
+                        raise
+                    continue
+                if observe is not None:
+                    observe(segments, report)
+                break
+            # Damage found at open is a miss to the lookup but was counted by its tier.
+            counter.corrupt = max(counter.corrupt, tier_total(self.store, "corrupt") - dropped)
+        return report
+
     def segments(self, prompt: PromptIds, handles: list[ChunkHandle], method: str, counter: _Counter) -> list[Segment]:
         """The prompt as segments with the caches ``method`` may use."""
         if method == "full":
@@ -433,30 +465,19 @@ class Generation:
                              report.load_s)
 
     def _prefill(self, kv: KVCache, counter: _Counter) -> FusionReport:
-        """Look the caches up and run the fused prefill, one request at a time (the store
-        and the controller are shared; decoding, with its own KV cache, runs unlocked)."""
+        """Look the caches up (timed; the controller picks an ``auto`` ratio for them) and
+        run the fused prefill through :meth:`Engine.fuse`."""
         eng, stats = self.engine, self.stats
-        with eng._prefill_lock:
-            dropped = tier_total(eng.store, "corrupt")
-            for attempt in range(_ATTEMPTS):
-                # A cache that fails verification mid-read was dropped by its tier; look
-                # up again (it is recomputed), and bypass the store on the last attempt.
-                counter.bypass_store = attempt == _ATTEMPTS - 1
-                t_lookup = time.perf_counter()
-                segments = eng.segments(self.prompt, self.handles, self.method, counter)
-                stats.seconds["lookup"] = stats.seconds.get("lookup", 0.0) + time.perf_counter() - t_lookup
-                if self.auto_ratio:
-                    self._control(segments)
-                try:
-                    report: FusionReport = fused_prefill(eng.decoder, segments, kv, self.blend,
-                                                         prefetch=eng.prefetch)
-                    self._observe(segments, report)
-                    break
-                except CorruptEntry:
-                    counter.corrupt += 1
-            # Damage found at open is a miss to the lookup but was counted by its tier.
-            counter.corrupt = max(counter.corrupt, tier_total(eng.store, "corrupt") - dropped)
-        return report
+
+        def lookup(counter: _Counter) -> tuple[list[Segment], BlendConfig]:
+            t = time.perf_counter()
+            segments = eng.segments(self.prompt, self.handles, self.method, counter)
+            stats.seconds["lookup"] = stats.seconds.get("lookup", 0.0) + time.perf_counter() - t
+            if self.auto_ratio:
+                self._control(segments)
+            return segments, self.blend
+
+        return eng.fuse(lookup, kv, counter, observe=self._observe)
 
     def _pieces(self) -> Iterator[str]:
         eng, stats = self.engine, self.stats

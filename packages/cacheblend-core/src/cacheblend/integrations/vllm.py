@@ -116,9 +116,6 @@ class CacheBlendMeta(KVConnectorMetadata):
     releases: list[list[int]] = field(default_factory=list)  # chunk ids whose entries go
 
 
-_METHODS = ("blend", "reuse", "full")
-
-
 def request_params(request: Any) -> dict:
     """The request's ``kv_transfer_params`` (a dict, or empty)."""
     params = getattr(request, "kv_transfer_params", None)
@@ -324,13 +321,12 @@ class CacheBlendConnector(KVConnectorBase_V1):
         return segs
 
     def _blend(self, load: BlendLoad) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fused K (post-RoPE) and V ``[layers, heads, tokens, head_dim]`` of the whole prompt.
-        As in the engine: an entry that fails verification mid-read was dropped by its tier,
-        so look up again (it is recomputed and replaced), bypassing the store at the end."""
-        from ..blend.fusor import KVCache, fused_prefill
+        """Fused K (post-RoPE) and V ``[layers, heads, tokens, head_dim]`` of the whole prompt,
+        through the engine's own prefill (store lookups, retries on damaged entries)."""
+        from ..blend.fusor import KVCache
         from ..blend.selection import BlendConfig
-        from ..engine import _ATTEMPTS, _Counter
-        from ..store import CorruptEntry, tier_total
+        from ..engine import _Counter
+        from ..store import tier_total
 
         eng = self.engine()
         config = BlendConfig(recompute_ratio=load.recompute_ratio, **{
@@ -338,18 +334,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
         config.validate_for(eng.decoder.shape.num_layers)
         kv = KVCache(eng.decoder.shape, len(load.token_ids), eng.device)
         counter = _Counter()
-        dropped, unreachable = tier_total(eng.store, "corrupt"), tier_total(eng.store, "unreachable")
-        for attempt in range(_ATTEMPTS):
-            counter.bypass_store = attempt == _ATTEMPTS - 1
-            segs = self._segments(load, counter)
-            try:
-                report = fused_prefill(eng.decoder, segs, kv, config, prefetch=eng.prefetch)
-                break
-            except CorruptEntry:
-                counter.corrupt += 1
-                if attempt == _ATTEMPTS - 1:
-                    raise
-        counter.corrupt = max(counter.corrupt, tier_total(eng.store, "corrupt") - dropped)
+        unreachable = tier_total(eng.store, "unreachable")
+        report = eng.fuse(lambda c: (self._segments(load, c), config), kv, counter)
         self.last_stats = {"req_id": load.req_id, "op": "load", "prompt_tokens": report.prompt_tokens,
                            "chunks": len(load.spans), "recompute_ratio": load.recompute_ratio,
                            "reused": report.reused_tokens, "recomputed": report.recomputed_tokens,
