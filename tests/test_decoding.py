@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cacheblend.decode import TextStream
+from cacheblend.generate.sampling import TextStream
 from conftest import PASSAGES, QUERY
 
 pytestmark = pytest.mark.slow

@@ -131,8 +131,8 @@ def test_retrieval_chain_builder_and_langchains_own_chain(llm, example, embeddin
 def test_indexing_api_skips_unchanged_documents_and_releases_stale_caches(engine, embeddings, monkeypatch):
     llm = ChatCacheBlend(engine=engine, max_tokens=4)
     precomputed = []
-    real = engine.precompute_chunk
-    monkeypatch.setattr(engine, "precompute_chunk", lambda ids: precomputed.append(len(ids)) or real(ids))
+    real = engine.chunks.precompute
+    monkeypatch.setattr(engine.chunks, "precompute", lambda ids: precomputed.append(len(ids)) or real(ids))
     store = CacheBlendVectorStore(InMemoryVectorStore(embeddings), llm, show_progress=False)
     records = InMemoryRecordManager("cacheblend-test")
     records.create_schema()

@@ -180,8 +180,8 @@ def test_transform_records_keys_and_rerun_costs_nothing(engine, monkeypatch):
              f"Ostra during the wet autumn." for i in range(3)]
     docs = [TextNode(text=t, metadata={"ledger": "Holm"}) for t in texts]
     computed = []
-    precompute = engine.precompute_chunk
-    monkeypatch.setattr(engine, "precompute_chunk", lambda ids: computed.append(len(ids)) or precompute(ids))
+    precompute = engine.chunks.precompute
+    monkeypatch.setattr(engine.chunks, "precompute", lambda ids: computed.append(len(ids)) or precompute(ids))
     transform = CacheBlendKVTransform(llm=CacheBlendLLM(engine=engine))
     out = IngestionPipeline(transformations=[transform]).run(nodes=docs, show_progress=True)
     assert len(computed) == 3

@@ -46,14 +46,14 @@ def test_damaged_entries_are_dropped(tier, damage):
     tier.put(KEY, _kv())
     client = redis.Redis.from_url(tier.url)
     if damage == "flip":
-        client.setrange(tier._name(KEY, 2), 5, b"\xff\xfe")
+        client.setrange(tier.entry_name(KEY, 2), 5, b"\xff\xfe")
     elif damage == "truncate":
-        client.set(tier._name(KEY, 0), client.get(tier._name(KEY, 0))[:-8])
+        client.set(tier.entry_name(KEY, 0), client.get(tier.entry_name(KEY, 0))[:-8])
     else:
-        client.set(tier._name(KEY, "meta"), b"{not json")
+        client.set(tier.entry_name(KEY, "meta"), b"{not json")
     assert tier.get(KEY) is None
     assert tier.corrupt == 1
-    assert client.get(tier._name(KEY, "meta")) is None  # dropped
+    assert client.get(tier.entry_name(KEY, "meta")) is None  # dropped
 
 
 def test_unreachable_server_is_a_quick_miss():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,9 @@ from cacheblend.store.entry import read_entry
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from rag_common import minilm_dir  # noqa: E402
+
 VLLM_PYTHON = Path(os.environ.get("CACHEBLEND_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
 
@@ -78,7 +82,7 @@ def test_vllm_saves_chunk_caches_the_core_would_compute(server, remote, example,
     core = Engine.load(default_model_dir, store="memory")
     store = open_store(f"disk:{server.root / 'kv'}")
     for text in example.passages:
-        handle = core._handle(core.prompts.chunk_ids(text))
+        handle = core.handle(text)
         entry = read_entry(store.open(handle.key))
         assert entry is not None and entry.meta["model"] == core.fingerprint
         ref = core.precompute_chunk(list(handle.token_ids))
@@ -137,6 +141,64 @@ def test_llamaindex_llm_on_the_server(server, remote, example):
     assert last.message.content == done.text and last.raw["usage"]["completion_tokens"] == 8
 
 
+def test_remote_engine_start_generate_and_stream(server, remote, example):
+    """The backend protocol's prompt-building calls, as on the in-process engine."""
+    q, chunks = example.question, example.passages
+    exact = remote.generate(q, chunks, recompute_ratio=1.0, max_new_tokens=8)
+    full = remote.generate(q, chunks, method="full", max_new_tokens=8)
+    assert exact.text == full.text
+    run = remote.start(q, chunks, max_new_tokens=8, system="Answer briefly.")
+    text = "".join(run.pieces)
+    assert run.result is not None and run.result.stats.chunks == len(chunks) and text
+    assert stats(server)[-1]["store_hits"] == len(chunks)
+    assert "".join(remote.stream(q, chunks, max_new_tokens=8, system="Answer briefly.")) == text
+    with pytest.raises(CacheBlendError, match="unknown options"):
+        remote.start(q, chunks, ratio=0.2)
+
+
+def test_llamaindex_rag_paths_on_the_server(server, remote, example):
+    """Transform, synthesizer and query engine over a vLLM server with the connector."""
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.schema import NodeWithScore, TextNode
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+    from llama_index.llms.cacheblend import (
+        CacheBlendKVTransform,
+        CacheBlendLLM,
+        CacheBlendSynthesizer,
+        cacheblend_query_engine,
+    )
+
+    llm = CacheBlendLLM(base_url=server.base_url, max_tokens=8, learn=False)
+    nodes = CacheBlendKVTransform(llm=llm)([TextNode(text=p) for p in example.passages])
+    r = CacheBlendSynthesizer(llm=llm).synthesize(example.question, [NodeWithScore(node=n, score=1.0) for n in nodes])
+    assert r.response.strip() and r.metadata["cacheblend"]["chunks"] == len(nodes)
+    assert stats(server)[-1]["op"] == "load" and stats(server)[-1]["store_hits"] == len(nodes)
+    index = VectorStoreIndex(nodes, embed_model=HuggingFaceEmbedding(model_name=minilm_dir()))
+    answer = cacheblend_query_engine(index, llm=llm, similarity_top_k=2).query(example.question)
+    assert answer.response.strip() and answer.metadata["cacheblend"]["chunks"] == 2
+    assert stats(server)[-1]["store_hits"] == 2
+    streamed = cacheblend_query_engine(index, llm=llm, similarity_top_k=2, streaming=True).query(example.question)
+    assert "".join(streamed.response_gen) == answer.response
+
+
+def test_langchain_rag_paths_on_the_server(server, remote, example):
+    """The vector-store wrapper (ingestion) and the retrieval chain over a vLLM server."""
+    from langchain_cacheblend import CacheBlendVectorStore, ChatCacheBlend, create_cacheblend_retrieval_chain
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.vectorstores import InMemoryVectorStore
+    from langchain_huggingface import HuggingFaceEmbeddings
+
+    llm = ChatCacheBlend(base_url=server.base_url, max_tokens=8, learn=False)
+    store = CacheBlendVectorStore(InMemoryVectorStore(HuggingFaceEmbeddings(model_name=minilm_dir())), llm)
+    store.add_texts(example.passages)
+    prompt = ChatPromptTemplate.from_messages([("system", "Use the context to answer.\n\n{context}"),
+                                               ("human", "{input}")])
+    chain = create_cacheblend_retrieval_chain(llm, store.as_retriever(search_kwargs={"k": 2}), prompt)
+    out = chain.invoke({"input": example.question})
+    assert out["answer"].strip() and len(out["context"]) == 2
+    assert stats(server)[-1]["chunks"] == 2 and stats(server)[-1]["store_hits"] == 2
+
+
 def test_plain_openai_chat_client_reuses_registered_passages(server, remote, example):
     """Any OpenAI client: vLLM applies the chat template and tokenizes the whole prompt; the
     connector finds the registered passages in those token ids and blends them (computing
@@ -168,7 +230,7 @@ def test_release_deletes_the_servers_entry(server, default_model_dir):
     engine = RemoteEngine(server.base_url)
     engine.ingest([text])
     core = Engine.load(default_model_dir, store="memory")
-    key = core._handle(core.prompts.chunk_ids(text)).key
+    key = core.handle(text).key
     store = open_store(f"disk:{server.root / 'kv'}")
     assert store.open(key) is not None
     assert engine.release(text) == 1 and text not in engine.passages

@@ -242,7 +242,7 @@ def test_lmcache_blend_bug_cases(setup, outputs, blend_llm):
     assert tokens[0] == _core_first_token(setup, reordered, ex)
 
     new = "A passage no one cached: the Quux festival is held every spring in the town of Corge."
-    middle = handles[:2] + [setup["engine"]._handle(setup["engine"].prompts.chunk_ids(new))] + handles[2:]
+    middle = handles[:2] + [setup["engine"].handle(new)] + handles[2:]
     register_passages(setup["root"] / "passages.jsonl", [new])
     ids = setup["engine"].prompts.build(ex.query, [list(h.token_ids) for h in middle], None, QA_PREAMBLE).all_ids
     (tokens, _), = _generate(blend_llm, [(ids, 1, 0.15)])
@@ -262,7 +262,7 @@ def test_redis_down_and_back(setup, outputs, blend_llm, redis_server):
     def with_new_chunk(i: int, text: str) -> list[int]:
         register_passages(setup["root"] / "passages.jsonl", [text])
         ex, engine = setup["examples"][i], setup["engine"]
-        handles = setup["handles"][i] + [engine._handle(engine.prompts.chunk_ids(text))]
+        handles = setup["handles"][i] + [engine.handle(text)]
         return engine.prompts.build(ex.query, [list(h.token_ids) for h in handles], None, QA_PREAMBLE).all_ids
 
     prompt = setup["prompts"][4]

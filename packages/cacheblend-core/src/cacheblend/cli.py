@@ -13,9 +13,17 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .config import METHODS, RequestOptions
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+DEFAULTS = RequestOptions()
 
 
-def _engine(args):
+def _engine(args: argparse.Namespace) -> Engine:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from .engine import Engine
 
@@ -44,13 +52,14 @@ def cmd_ingest(args) -> int:
     texts = _read_chunks(args.files, _split(args.split))
     engine = _engine(args)
     for text in tqdm(texts, desc="ingest", unit="chunk", file=sys.stderr, disable=len(texts) < 4):
-        (handle,) = engine.ingest([text])
-        print(json.dumps({"key": handle.key, "tokens": handle.num_tokens, "text": text[:60]}), flush=True)
+        ((handle, computed),) = engine.ingest_status([text])
+        print(json.dumps({"key": handle.key, "tokens": handle.num_tokens, "stored": computed,
+                          "text": text[:60]}), flush=True)
     return 0
 
 
 def cmd_ask(args) -> int:
-    from .engine import CacheBlendError
+    from .errors import CacheBlendError
 
     texts = _read_chunks(args.chunks, _split(args.split)) if args.chunks else []
     engine = _engine(args)
@@ -106,6 +115,15 @@ def _default_store(spec: str | None) -> str:
     return f"disk:{cache_home() / 'kv'}:{DEFAULT_DISK}"
 
 
+def _ratio(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number within [0, 1] or 'auto', got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="cacheblend", description="CacheBlend: fast RAG prefill with reused chunk KV.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -123,10 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ask", help="answer a question over chunks, streaming the answer")
     p.add_argument("question")
     p.add_argument("--chunks", nargs="+", type=Path, default=[], help="chunk files, in prompt order")
-    p.add_argument("--method", default="blend", choices=["full", "prefix", "reuse", "blend"])
-    p.add_argument("--ratio", type=float, default=0.15, help="recompute ratio for blend (default 0.15)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--method", default=DEFAULTS.method, choices=list(METHODS))
+    p.add_argument("--ratio", type=_ratio, default=DEFAULTS.recompute_ratio,
+                   help=f"recompute ratio for blend, or 'auto' (default {DEFAULTS.recompute_ratio})")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--no-stats", dest="stats", action="store_false", help="do not print stats JSON on stderr")
     common(p)

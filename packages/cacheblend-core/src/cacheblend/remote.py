@@ -21,16 +21,16 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any
 
+from .cache.keys import chunk_key
 from .chat import chunk_spans, plan_chat
-from .engine import BlendStats, ChunkHandle, Result
+from .config import METHODS, EngineConfig, RequestOptions
 from .errors import CacheBlendError
-from .options import METHODS, RequestOptions
 from .passages import PassageIndex
-from .prompt import PromptBuilder
-from .store import chunk_key
+from .prompt import PromptBuilder, PromptIds
+from .results import BlendStats, ChunkHandle, Result
 
 REMOTE_METHODS = ("blend", "reuse", "full")  # "prefix" is vLLM's own prefix caching, off with the connector
 _SHARED: dict[tuple, RemoteEngine] = {}
@@ -44,9 +44,9 @@ class RemoteGeneration:
         self.stats = stats
         self.result: Result | None = None
         self._t0 = t0
-        self.pieces: Iterator[str] = self._pieces(stream_fn)
+        self.pieces: Generator[str, None, None] = self._pieces(stream_fn)
 
-    def _pieces(self, stream_fn) -> Iterator[str]:
+    def _pieces(self, stream_fn: Callable[[], Any]) -> Generator[str, None, None]:
         text, ttft, finish, usage = "", None, "length", None
         stream = stream_fn()
         try:
@@ -116,8 +116,8 @@ class RemoteEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(source))
         self.prompts = PromptBuilder(self.tokenizer)
         self.passages = PassageIndex()
-        self.learn_min_chars = 200
-        self._sink = self.prompts.sink_ids("bos")
+        self.config = EngineConfig()
+        self._sink = self.prompts.sink_ids(self.config.chunk_sink)
         self._check_connector()
 
     @classmethod
@@ -165,27 +165,75 @@ class RemoteEngine:
             handles.append(ChunkHandle(key=chunk_key("", ids, ""), num_tokens=len(ids), token_ids=tuple(ids)))
         return handles
 
-    def release(self, chunks: Iterable[str] | str) -> int:
-        """Forget passages here and have the server delete their caches; returns how many
-        deletions were sent (whether an entry existed is known only to the server)."""
-        if isinstance(chunks, str):
+    def release(self, chunks: Iterable[ChunkHandle | str] | ChunkHandle | str) -> int:
+        """Forget passages (texts, or handles from :meth:`ingest`) here and have the server
+        delete their caches; returns how many deletions were sent (whether an entry existed
+        is known only to the server)."""
+        if isinstance(chunks, (str, ChunkHandle)):
             chunks = [chunks]
         sent = 0
-        for text in chunks:
-            if not isinstance(text, str):
-                raise CacheBlendError(f"a remote engine releases passages by text, got {type(text).__name__}")
-            self.passages.discard(text)
-            self._op(self._sink, {"cacheblend": "release", "ids": self.prompts.chunk_ids(text)})
+        for chunk in chunks:
+            if isinstance(chunk, str):
+                self.passages.discard(chunk)
+                ids = self.prompts.chunk_ids(chunk)
+            elif isinstance(chunk, ChunkHandle) and chunk.token_ids:
+                ids = list(chunk.token_ids)
+            else:
+                raise CacheBlendError(f"release takes passage texts or ChunkHandles, got {type(chunk).__name__}")
+            self._op(self._sink, {"cacheblend": "release", "ids": ids})
             sent += 1
         return sent
 
     # -- answering -------------------------------------------------------------------
+    def start(
+        self,
+        query: str,
+        chunks: Sequence[ChunkHandle | str] | ChunkHandle | str = (),
+        *,
+        system: str | None = None,
+        preamble: str = "",
+        **options: Any,
+    ) -> RemoteGeneration:
+        """As :meth:`Engine.start`: ``[system][preamble][chunk 1]…[chunk k][query]``, with
+        each chunk's span sent to the server, whose connector reuses its cache."""
+        t0 = time.perf_counter()
+        if not isinstance(query, str) or not query.strip():
+            raise CacheBlendError("query must be a non-empty string")
+        if system is not None and not isinstance(system, str):
+            raise CacheBlendError(f"system must be a string or None, got {type(system).__name__}")
+        if not isinstance(preamble, str):
+            raise CacheBlendError(f"preamble must be a string, got {type(preamble).__name__}")
+        if isinstance(chunks, (str, ChunkHandle)):
+            chunks = [chunks]
+        ids = [self._chunk_ids(c) for c in chunks]
+        return self._send(self.prompts.build(query, ids, system, preamble), 0, options, t0)
+
+    def generate(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options: Any) -> Result:
+        """:meth:`start` run to its end."""
+        run = self.start(query, chunks, **options)
+        for _ in run.pieces:
+            pass
+        assert run.result is not None
+        return run.result
+
+    def stream(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options: Any) -> Iterator[str]:
+        """:meth:`start`'s text pieces; bad input raises here, before the first piece."""
+        return self.start(query, chunks, **options).pieces
+
+    def _chunk_ids(self, chunk: ChunkHandle | str) -> list[int]:
+        if isinstance(chunk, str):
+            if not chunk.strip():
+                raise CacheBlendError("a chunk must be a non-empty string")
+            self.passages.add(chunk)
+            return self.prompts.chunk_ids(chunk)
+        if isinstance(chunk, ChunkHandle) and chunk.token_ids:
+            return list(chunk.token_ids)
+        raise CacheBlendError(f"chunks take ChunkHandle or str, got {type(chunk).__name__}")
+
     def start_chat(
         self,
         messages: Sequence[dict[str, str]],
         documents: Sequence[str] = (),
-        *,
-        learn: bool = True,
         **options: Any,
     ) -> RemoteGeneration:
         """As :meth:`Engine.start_chat` (options: :class:`RequestOptions`); the request is
@@ -194,24 +242,31 @@ class RemoteEngine:
         nothing more here."""
         t0 = time.perf_counter()
         opts = RequestOptions.parse(options)
+        plan = plan_chat(self.prompts, self.passages, messages, documents, learn=opts.learn,
+                         learn_min_chars=self.config.learn_min_chars)
+        return self._send(plan.prompt, len(plan.learned), opts, t0)
+
+    def _send(self, prompt: PromptIds, learned: int, options: RequestOptions | dict[str, Any],
+              t0: float) -> RemoteGeneration:
+        """The completion request for ``prompt``'s token ids, with its chunk spans and the
+        selection in ``kv_transfer_params``; streamed when ``pieces`` is first read."""
+        opts = options if isinstance(options, RequestOptions) else RequestOptions.parse(options)
         if opts.method not in REMOTE_METHODS:
             raise CacheBlendError(f"method must be one of {REMOTE_METHODS} with a vLLM server "
                                   f"(of the engine's {METHODS}), got {opts.method!r}")
         if opts.auto:
             raise CacheBlendError("recompute_ratio='auto' (the loading controller) needs the in-process Engine")
         blend, sampling = opts.blend(), opts.sampling()
-        plan = plan_chat(self.prompts, self.passages, messages, documents, learn=learn,
-                         learn_min_chars=self.learn_min_chars)
-        ids = plan.prompt.all_ids
+        ids = prompt.all_ids
         if len(ids) >= self.context_length:
             raise CacheBlendError(f"prompt of {len(ids)} tokens does not fit the server's context of "
                                   f"{self.context_length} tokens")
-        spans = chunk_spans(plan.prompt) if opts.method != "full" else []
+        spans = chunk_spans(prompt) if opts.method != "full" else []
         chunk_tokens = sum(b - a for a, b in spans)
         recomputed = round(blend.recompute_ratio * chunk_tokens) if not blend.gradual else 0
         stats = BlendStats(method=opts.method, recompute_ratio=blend.recompute_ratio, prompt_tokens=len(ids),
                            reused_tokens=chunk_tokens - recomputed, recomputed_tokens=recomputed,
-                           chunks=len(spans), chunks_learned=len(plan.learned))
+                           chunks=len(spans), chunks_learned=learned)
         params: dict[str, Any] = {"method": opts.method}
         if spans:
             params |= {"chunks": [list(s) for s in spans], "recompute_ratio": blend.recompute_ratio,

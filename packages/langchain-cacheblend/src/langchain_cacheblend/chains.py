@@ -41,7 +41,7 @@ def create_cacheblend_retrieval_chain(
     def answer(inputs: dict[str, Any]) -> Runnable:
         docs: list[Document] = inputs[document_variable_name]
         texts = [format_document(d, doc_prompt) for d in docs]
-        fill = RunnableLambda(lambda x: {**x, document_variable_name: document_separator.join(texts)})
+        fill: Runnable = RunnableLambda(lambda x: {**x, document_variable_name: document_separator.join(texts)})
         return fill | prompt | llm.bind(documents=texts) | StrOutputParser()
 
     retrieve = RunnableLambda(lambda x: x["input"]) | retriever

@@ -21,15 +21,17 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, SecretStr
 
-from cacheblend import Engine, Generation, Result
+from cacheblend import Engine, Result
 from cacheblend.aio import iterate_in_thread, run_in_thread
+from cacheblend.backend import Backend, GenerationRun
+from cacheblend.config import RequestOptions
 from cacheblend.remote import RemoteEngine
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _ROLE_OF = {"system": "system", "human": "user", "ai": "assistant"}
-# Per-call options that go to the engine as they are (besides documents, stop, max_tokens).
-_ENGINE_OPTIONS = {"method", "recompute_ratio", "quality_floor", "check_layers", "deviation", "gradual",
-                   "temperature", "top_p", "seed", "learn_passages"}
+_D = RequestOptions()  # the core's defaults: the same options, names and defaults as every entry point
+# Request options that are fields here under the core's own name (max_tokens and stop are LangChain's names).
+_FIELD_OPTIONS = [n for n in RequestOptions.names() if n not in ("max_new_tokens", "stop")]
 
 
 class ChatCacheBlend(BaseChatModel):
@@ -52,15 +54,16 @@ class ChatCacheBlend(BaseChatModel):
     """HF folder or ``.gguf`` file; None for the default model."""
     store: str | None = None
     """Store spec (``"memory"``, ``"disk:PATH"``, ``"redis://…"``, comma-joined tiers); None: default."""
-    temperature: float = 0.0
-    max_tokens: int | None = Field(default=256, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
-    top_p: float = 1.0
+    temperature: float = _D.temperature
+    max_tokens: int | None = Field(default=_D.max_new_tokens,
+                                   validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
+    top_p: float = _D.top_p
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     timeout: float | None = None
     """Seconds a call may take; checked between decoded tokens."""
     max_retries: int = 2
     """Retries of a call that failed for a reason other than bad input (e.g. a store error)."""
-    seed: int | None = None
+    seed: int | None = _D.seed
     streaming: bool = False
     base_url: str | None = Field(default=None, alias="openai_api_base")
     """An OpenAI-compatible vLLM server with ``CacheBlendConnector`` (e.g.
@@ -69,15 +72,18 @@ class ChatCacheBlend(BaseChatModel):
     api_key: SecretStr | None = None
     """The server's API key, with ``base_url``; the in-process engine needs none."""
 
-    method: Literal["blend", "full", "prefix", "reuse"] = "blend"
-    recompute_ratio: float | Literal["auto"] = 0.15
-    check_layers: tuple[int, ...] = (1,)
-    learn_passages: bool = True
-    """Cache long paragraphs of the prompt that are not known passages yet."""
+    method: Literal["blend", "full", "prefix", "reuse"] = _D.method  # type: ignore[assignment]
+    recompute_ratio: float | Literal["auto"] = _D.recompute_ratio  # type: ignore[assignment]
+    quality_floor: float = _D.quality_floor
+    check_layers: tuple[int, ...] = tuple(_D.check_layers)
+    deviation: Literal["v", "k", "kv"] = _D.deviation  # type: ignore[assignment]
+    gradual: bool = _D.gradual
+    learn: bool = Field(default=_D.learn, validation_alias=AliasChoices("learn", "learn_passages"))
+    """Cache long paragraphs of the prompt that are not known passages yet (also ``learn_passages``)."""
 
-    engine: Engine | RemoteEngine | None = Field(default=None, exclude=True)
-    """An engine to use instead of the shared one for ``model``/``store``."""
-    _engine: Engine | RemoteEngine | None = PrivateAttr(default=None)
+    engine: Backend | None = Field(default=None, exclude=True)
+    """A backend (``Engine`` or ``RemoteEngine``) to use instead of the shared one for ``model``/``store``."""
+    _engine: Backend | None = PrivateAttr(default=None)
 
     # -- what LangChain asks of a chat model ---------------------------------------------
     @property
@@ -103,7 +109,12 @@ class ChatCacheBlend(BaseChatModel):
             params["ls_stop"] = stop
         return params
 
-    def get_engine(self) -> Engine | RemoteEngine:
+    @property
+    def learn_passages(self) -> bool:
+        """The former name of ``learn``."""
+        return self.learn
+
+    def get_engine(self) -> Backend:
         """The engine, loaded (or connected to) on first use, so constructing costs nothing."""
         if self._engine is None:
             if self.engine is not None:
@@ -125,26 +136,21 @@ class ChatCacheBlend(BaseChatModel):
         return self.get_engine().release(list(texts))
 
     # -- requests ------------------------------------------------------------------------
-    def _start(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> Generation:
+    def _start(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> GenerationRun:
         kwargs = dict(kwargs)
         documents = _texts(kwargs.pop("documents", None) or ())
-        options: dict[str, Any] = {"method": self.method, "recompute_ratio": self.recompute_ratio,
-                                   "check_layers": self.check_layers, "temperature": self.temperature,
-                                   "top_p": self.top_p, "seed": self.seed, "learn_passages": self.learn_passages}
         max_tokens = kwargs.pop("max_tokens", self.max_tokens)
         kwargs.pop("model", None)  # one engine per model; per-call overrides are reported only
+        if "learn_passages" in kwargs:
+            kwargs["learn"] = kwargs.pop("learn_passages")
         for name in list(kwargs):
-            if name in _ENGINE_OPTIONS:
-                options[name] = kwargs.pop(name)
-            elif name.startswith("ls_") or kwargs[name] is None:
+            if name.startswith("ls_") or kwargs[name] is None:
                 kwargs.pop(name)
-        if kwargs:
-            raise ValueError(f"ChatCacheBlend got unknown options {sorted(kwargs)}; known: documents, max_tokens, "
-                             f"stop, {', '.join(sorted(_ENGINE_OPTIONS))}")
-        learn = options.pop("learn_passages")
+        RequestOptions.check_names(kwargs, "ChatCacheBlend")
+        options: dict[str, Any] = {name: getattr(self, name) for name in _FIELD_OPTIONS} | kwargs
         return self.get_engine().start_chat(
-            _messages(messages), documents, learn=learn, stop=tuple(stop or self.stop or ()),
-            max_new_tokens=max_tokens if max_tokens is not None else 256, **options,
+            _messages(messages), documents, stop=tuple(stop or self.stop or ()),
+            max_new_tokens=max_tokens if max_tokens is not None else _D.max_new_tokens, **options,
         )
 
     def _attempts(self) -> int:
@@ -209,7 +215,7 @@ class ChatCacheBlend(BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         deadline = time.monotonic() + self.timeout if self.timeout else None
-        started: list[Generation] = []
+        started: list[GenerationRun] = []
 
         def start() -> Iterator[str]:
             started.append(self._start(messages, stop, kwargs))
@@ -231,6 +237,7 @@ class ChatCacheBlend(BaseChatModel):
             "usage_metadata": UsageMetadata(
                 input_tokens=usage["prompt_tokens"], output_tokens=usage["completion_tokens"],
                 total_tokens=usage["total_tokens"], input_token_details={"cache_read": usage["cached_tokens"]},
+                output_token_details={},
             ),
             "response_metadata": {"model_name": self.get_engine().model_name or self.model_label,
                                   "model_provider": "cacheblend", "finish_reason": result.finish_reason,

@@ -10,7 +10,7 @@ costs nothing), and documents the index deletes or replaces release their stale 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from langchain_core.documents import Document
@@ -80,11 +80,18 @@ class CacheBlendVectorStore(VectorStore):
     def similarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
         return self.vectorstore.similarity_search_by_vector(embedding, k=k, **kwargs)
 
-    def max_marginal_relevance_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
-        return self.vectorstore.max_marginal_relevance_search(query, k=k, **kwargs)
+    def max_marginal_relevance_search(self, query: str, k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5,
+                                      **kwargs: Any) -> list[Document]:
+        return self.vectorstore.max_marginal_relevance_search(query, k=k, fetch_k=fetch_k, lambda_mult=lambda_mult,
+                                                              **kwargs)
 
-    def _select_relevance_score_fn(self) -> Callable[[float], float]:
-        return self.vectorstore._select_relevance_score_fn()
+    def similarity_search_with_relevance_scores(self, query: str, k: int = 4,
+                                                **kwargs: Any) -> list[tuple[Document, float]]:
+        return self.vectorstore.similarity_search_with_relevance_scores(query, k=k, **kwargs)
+
+    async def asimilarity_search_with_relevance_scores(self, query: str, k: int = 4,
+                                                       **kwargs: Any) -> list[tuple[Document, float]]:
+        return await self.vectorstore.asimilarity_search_with_relevance_scores(query, k=k, **kwargs)
 
     @classmethod
     def from_texts(cls, texts: list[str], embedding: Embeddings, metadatas: list[dict] | None = None, *,

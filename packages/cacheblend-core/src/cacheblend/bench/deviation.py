@@ -36,7 +36,7 @@ def token_deviation(engine: Engine, task: Task, ex: Example) -> torch.Tensor:
         fused_prefill(engine.decoder, [Segment(ids)], KVCache(shape, len(ids), "cpu"), BlendConfig(), capture=capture)
     rows, start = [], len(prompt.prefix)
     for h in handles:
-        cached = engine.store.get(h.key) or engine.precompute_chunk(list(h.token_ids))
+        cached = engine.store.get(h.key) or engine.chunks.precompute(list(h.token_ids))
         span = slice(start, start + h.num_tokens)
         dk = (full_k[:, :, span] - cached.k.float()).pow(2).sum(dim=(1, 3))
         dv = (full_v[:, :, span] - cached.v.float()).pow(2).sum(dim=(1, 3))
@@ -60,7 +60,7 @@ def sparsity_profile(deviations: list[torch.Tensor]) -> dict:
     the share of squared deviation held by the top k % of tokens, averaged over prompts,
     and the rank correlation of deviation between consecutive layers."""
     layers = deviations[0].shape[0]
-    share = {f"{s:g}": [] for s in TOP_SHARES}
+    share: dict[str, list[float]] = {f"{s:g}": [] for s in TOP_SHARES}
     corr = []
     for layer in range(1, layers):
         for s in TOP_SHARES:

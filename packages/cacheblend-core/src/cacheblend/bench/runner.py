@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from ..config import BlendConfig
 from ..engine import Engine
 from .metrics import kl_first_token, mean, output_f1, p90, quality
 from .tasks import Example, Task
@@ -81,11 +82,13 @@ def run_examples(engine: Engine, task: Task, examples: list[Example], variants_:
         prompts.append({"id": f"{task.name}-{i}", "ids": prompt.all_ids, "warm": prompt.all_ids[:first]})
         full = None
         for v in variants_:
-            r = engine.generate(ex.query, handles, method=v.method, recompute_ratio=v.ratio or 0.15,
+            ratio = v.ratio if v.ratio is not None else BlendConfig.recompute_ratio
+            r = engine.generate(ex.query, handles, method=v.method, recompute_ratio=ratio,
                                 check_layers=options.check_layers, gradual=options.gradual,
                                 max_new_tokens=task.max_new_tokens, **common)
             if full is None:
                 full = r
+            assert r.first_token_logits is not None and full.first_token_logits is not None
             s = r.stats
             samples.append(Sample(
                 variant=v.name, ttft_s=r.ttft_s, quality=quality(task.metric, r.text, ex.answers),

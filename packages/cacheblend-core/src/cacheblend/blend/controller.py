@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..config import BlendConfig
+
 
 @dataclass
 class Decision:
@@ -33,7 +35,7 @@ class Decision:
 
 @dataclass
 class LoadingController:
-    quality_floor: float = 0.15
+    quality_floor: float = BlendConfig.recompute_ratio  # the default ratio is the floor
     max_ratio: float = 1.0
     smoothing: float = 0.3
     compute_s_per_token_layer: float | None = None

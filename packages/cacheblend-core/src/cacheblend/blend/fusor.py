@@ -25,28 +25,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..models.decoder import Decoder, ModelShape, apply_rope
+from ..generate.decode import KVCache
+from ..models.decoder import Decoder, apply_rope
 from ..store.entry import LayerSource
 from .attention import AttentionPlans
 from .loader import LayerLoader
 from .selection import BlendConfig, kv_deviation, select_hkvd
 
+__all__ = ["Capture", "FusionReport", "KVCache", "Segment", "fused_prefill"]
+
 # capture(layer, positions, keys_before_rope, values): used by chunk precompute.
 Capture = Callable[[int, Tensor, Tensor, Tensor], None]
-
-
-class KVCache:
-    """Preallocated fused KV cache: keys *after* RoPE, ``[layers, kv_heads, capacity, hd]``.
-
-    After the fused prefill it is the engine's ordinary decode cache (paper §5: the fused
-    KV replaces the regular prefill output)."""
-
-    def __init__(self, shape: ModelShape, capacity: int, device: torch.device | str) -> None:
-        dims = (shape.num_layers, shape.num_kv_heads, capacity, shape.head_dim)
-        self.k = torch.empty(dims, dtype=shape.dtype, device=device)
-        self.v = torch.empty(dims, dtype=shape.dtype, device=device)
-        self.capacity = capacity
-        self.length = 0
 
 
 @dataclass
@@ -84,29 +73,25 @@ class FusionReport:
     compute_s: float = 0.0
 
 
-def fused_prefill(
-    dec: Decoder,
-    segments: Sequence[Segment],
-    kv: KVCache,
-    config: BlendConfig,
-    capture: Capture | None = None,
-    prefetch: bool = True,
-) -> FusionReport:
-    """Fill ``kv`` for the prompt ``segments`` and return the last position's logits.
+@dataclass
+class _Layout:
+    """Where each segment sits, and which tokens are reused approximately (candidates)."""
 
-    Reused caches are read layer by layer (the next layer is fetched while this one is
-    fused when ``prefetch``); a source that fails verification raises ``CorruptEntry``."""
-    shape = dec.shape
-    config.validate_for(shape.num_layers)
-    device = kv.k.device
+    ids: Tensor
+    reused_spans: list[tuple[int, int, Segment]]
+    candidate: Tensor  # bool per position: reused, not exact: may be recomputed
+    uncached: Tensor  # bool per position: always computed (the question, gaps)
+    row_of: Tensor  # position -> row among the candidates (-1 elsewhere)
+    n_candidates: int
+
+
+def _layout(segments: Sequence[Segment], capacity: int, device: torch.device) -> _Layout:
     ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=device)
     n = ids.numel()
     if n == 0:
         raise ValueError("empty prompt")
-    if n > kv.capacity:
-        raise ValueError(f"prompt of {n} tokens exceeds the KV cache capacity {kv.capacity}")
-
-    # Where each segment sits, and which tokens are reused approximately (candidates).
+    if n > capacity:
+        raise ValueError(f"prompt of {n} tokens exceeds the KV cache capacity {capacity}")
     spans: list[tuple[int, int, Segment]] = []
     start = 0
     candidate = torch.zeros(n, dtype=torch.bool, device=device)
@@ -121,15 +106,33 @@ def fused_prefill(
         start = end
     if not uncached[-1]:
         raise ValueError("the last prompt token must be computed (end the prompt with an uncached segment)")
-    reused_spans = [(a, b, s) for a, b, s in spans if s.cached is not None]
     n_candidates = int(candidate.sum())
-    ratio = config.recompute_ratio if n_candidates else 0.0
     row_of = torch.full((n,), -1, dtype=torch.long, device=device)
     row_of[candidate] = torch.arange(n_candidates, device=device)
+    return _Layout(ids, [(a, b, s) for a, b, s in spans if s.cached is not None], candidate, uncached, row_of,
+                   n_candidates)
 
-    cos, sin = dec.rope_tables(torch.arange(n, device=device))
-    active = torch.nonzero(uncached | candidate if ratio > 0 else uncached).squeeze(1)
-    h = dec.embed(ids[active])
+
+def fused_prefill(
+    dec: Decoder,
+    segments: Sequence[Segment],
+    kv: KVCache,
+    config: BlendConfig,
+    capture: Capture | None = None,
+    prefetch: bool = True,
+) -> FusionReport:
+    """Fill ``kv`` for the prompt ``segments`` and return the last position's logits.
+
+    Reused caches are read layer by layer (the next layer is fetched while this one is
+    fused when ``prefetch``); a source that fails verification raises ``CorruptEntry``."""
+    shape = dec.shape
+    config.validate_for(shape.num_layers)
+    lay = _layout(segments, kv.capacity, kv.k.device)
+    n, reused_spans = lay.ids.numel(), lay.reused_spans
+    ratio = config.recompute_ratio if lay.n_candidates else 0.0
+    cos, sin = dec.rope_tables(torch.arange(n, device=kv.k.device))
+    active = torch.nonzero(lay.uncached | lay.candidate if ratio > 0 else lay.uncached).squeeze(1)
+    h = dec.embed(lay.ids[active])
     checks = {layer: i for i, layer in enumerate(config.check_layers)}
     active_per_layer: list[int] = []
 
@@ -150,7 +153,7 @@ def fused_prefill(
 
             if layer in checks and 0.0 < ratio < 1.0:
                 approx_kv = [c for (_, _, s), c in zip(reused_spans, cached, strict=True) if not s.exact]
-                keep = _check(config, checks[layer], active, candidate, row_of, approx_kv, k, v, n_candidates)
+                keep = _check(config, checks[layer], active, lay, approx_kv, k, v)
                 if keep is not None:  # HKVD tokens (and uncached ones) go on; the rest keep fresh K/V here
                     active, h, x = active[keep], h[keep], x[keep]
                     plans = AttentionPlans(active, shape.dtype, shape.groups)
@@ -162,18 +165,12 @@ def fused_prefill(
         loader.close()
 
     kv.length = n
-    hkvd = active[candidate[active]]
-    n_uncached = int(uncached.sum())
+    hkvd = active[lay.candidate[active]]
+    n_uncached = int(lay.uncached.sum())
     return FusionReport(
-        logits=dec.logits(h[-1:])[0],
-        prompt_tokens=n,
-        reused_tokens=n - n_uncached - hkvd.numel(),
-        recomputed_tokens=hkvd.numel(),
-        computed_tokens=n_uncached,
-        hkvd_positions=hkvd,
-        active_per_layer=active_per_layer,
-        load_s=loader.load_s,
-        load_exposed_s=loader.exposed_s,
+        logits=dec.logits(h[-1:])[0], prompt_tokens=n, reused_tokens=n - n_uncached - hkvd.numel(),
+        recomputed_tokens=hkvd.numel(), computed_tokens=n_uncached, hkvd_positions=hkvd,
+        active_per_layer=active_per_layer, load_s=loader.load_s, load_exposed_s=loader.exposed_s,
         compute_s=time.perf_counter() - t_start - loader.exposed_s,
     )
 
@@ -192,43 +189,20 @@ def _check(
     config: BlendConfig,
     check_index: int,
     active: Tensor,
-    candidate: Tensor,
-    row_of: Tensor,
+    lay: _Layout,
     approx_kv: list[tuple[Tensor, Tensor]],
     k: Tensor,
     v: Tensor,
-    n_candidates: int,
 ) -> Tensor | None:
     """At a check layer, keep the HKVD candidates; return indices into ``active`` to keep."""
-    is_cand = candidate[active]
+    is_cand = lay.candidate[active]
     cand_idx = torch.nonzero(is_cand).squeeze(1)
-    keep_n = round(config.keep_ratio(check_index) * n_candidates)
+    keep_n = round(config.keep_ratio(check_index) * lay.n_candidates)
     if keep_n >= cand_idx.numel():
         return None
-    rows = row_of[active[cand_idx]]
+    rows = lay.row_of[active[cand_idx]]
     cached_k = torch.cat([ck for ck, _ in approx_kv], dim=1)[:, rows]
     cached_v = torch.cat([cv for _, cv in approx_kv], dim=1)[:, rows]
     dev = kv_deviation(k[:, cand_idx], v[:, cand_idx], cached_k, cached_v, config.deviation)
     chosen = cand_idx[select_hkvd(dev, keep_n)]
     return torch.cat([torch.nonzero(~is_cand).squeeze(1), chosen]).sort().values
-
-
-def decode_step(dec: Decoder, kv: KVCache, token_id: int) -> Tensor:
-    """Append one token at position ``kv.length`` and return next-token logits."""
-    pos = kv.length
-    if pos >= kv.capacity:
-        raise ValueError("KV cache is full")
-    device = kv.k.device
-    positions = torch.tensor([pos], device=device)
-    cos, sin = dec.rope_tables(positions)
-    h = dec.embed(torch.tensor([token_id], device=device))
-    plans = AttentionPlans(positions, dec.shape.dtype, dec.shape.groups)
-    for layer in range(dec.shape.num_layers):
-        q, k, v = dec.qkv(layer, h)
-        kv.k[layer, :, pos : pos + 1] = apply_rope(k, cos, sin)
-        kv.v[layer, :, pos : pos + 1] = v
-        plan = plans[dec.shape.windows[layer]]
-        out = plan(apply_rope(q, cos, sin), kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
-        h = dec.finish(layer, h, out)
-    kv.length = pos + 1
-    return dec.logits(h)[0]

@@ -9,52 +9,32 @@
                   kv_connector_extra_config={"store": "disk:/path/kv", "passages": "/path/p.jsonl",
                                              "recompute_ratio": 0.15}))
 
-How it works (facts about vLLM's side are in docs/vllm.md, "Connector notes"):
+How it works (user guide: docs/vllm.md; verified vLLM internals: docs/internals/):
 
-* vLLM runs the two halves of a connector in different processes (scheduler side in
-  EngineCore, worker side in VllmWorker), neither of them the user's.  So everything the
-  connector needs is shared through files: chunk caches through the core's KV store
-  (``"store"``: a disk or Redis spec), and the *texts* of known passages through a
-  registry (``"passages"``), written by :func:`register_passages` and re-read whenever it
-  changes: a JSON-lines file on a filesystem every process sees, or a ``redis://`` URL (a
-  Redis set), so that servers on several hosts sharing a Redis store tier also share the
-  passages to look for.
-* Chunks are found in a request by token ids, not by a separator convention: each known
-  passage is tokenized as the core tokenizes a chunk (``text + "\\n\\n"``, and ``text``
-  alone for a passage a template follows with something else), and those exact id runs are
-  looked for in the prompt.  Token level, because the K/V written must belong to vLLM's
-  token ids position by position; a passage tokenized differently inside the prompt is
-  simply not matched and is computed.
-* Scheduler side: a prompt of at least ``min_tokens`` tokens (default two blocks) holding a
-  known chunk is reported as ``len(prompt) - 1`` externally computed tokens, synchronously,
-  so vLLM computes only the last token.  The matched spans travel to the worker in the
-  step's metadata.
-* Worker side: a core :class:`~cacheblend.engine.Engine` on the same HF folder and dtype
-  (so its fingerprint matches caches made by ``Engine.ingest`` in other processes) runs
-  the fused prefill over the prompt (matched spans reuse their stored caches, the rest is
-  computed, ``recompute_ratio`` of chunk tokens recomputed) and the fused post-RoPE K and V
-  are written into the request's blocks in the CPU layout (K transposed per block and head).
-  If that fails, the blocks are reported as load errors: vLLM then recomputes them with
-  ``KVTransferConfig(kv_load_failure_policy="recompute")``, or fails the request (its
-  default, ``"fail"``), never decoding from zeroed blocks.
+* vLLM runs the connector's two halves in different processes (scheduler side in
+  EngineCore, worker side in VllmWorker), so they share state through files: chunk caches
+  through the core's KV store (``"store"``), the texts of known passages through a
+  registry (``"passages"``: a JSON-lines file, or a ``redis://`` set shared by servers).
+* Scheduler side: chunks are found in a request's token ids (client-given ``"chunks"``
+  spans, else registered passages tokenized as the core tokenizes a chunk); a prompt of
+  at least ``min_tokens`` holding one is reported as ``len(prompt) - 1`` externally
+  computed tokens, so vLLM computes only the last token.
+* Worker side: a core :class:`~cacheblend.engine.Engine` on the same folder and dtype runs
+  the fused prefill through its chunk-cache service (store lookups, verification,
+  retries), and the fused K/V are written into the request's paged blocks
+  (:mod:`.paged`).  If that fails, the blocks are reported as load errors and vLLM
+  recomputes them (``kv_load_failure_policy="recompute"``) or fails the request; it never
+  decodes from zeroed blocks.
 
-Per request, ``kv_transfer_params`` (``SamplingParams(extra_args={"kv_transfer_params": ...})``
-offline, or the ``kv_transfer_params`` field of an OpenAI-API request to ``vllm serve``)
-may carry what a client that built the prompt knows (:class:`cacheblend.remote.RemoteEngine`
-sends these): ``"chunks"``, the ``[start, end)`` token spans of the chunks (then the registry
-is not consulted); ``"method"``: ``"blend"`` (default), ``"reuse"`` (ratio 0) or ``"full"``
-(the connector stays out); ``"recompute_ratio"``.  Two operations ride on ordinary requests:
-``{"cacheblend": "ingest", "sink": s}`` on a prompt of ``s`` sink ids followed by a chunk's
-ids stores *vLLM's own* K/V of that chunk (keys un-rotated, the core's entry format), and
-``{"cacheblend": "release", "ids": [...]}`` deletes a chunk's entry.  With ``"stats"`` (a
-file path) in the extra config, the worker appends one JSON line per load, save or release.
-
-Run vLLM with ``enable_prefix_caching=False``: otherwise blended blocks enter vLLM's prefix
-cache under their token hashes and a later request with the same prefix reuses them as if
-they were exact.  Only the ``vec`` attention ISA (float32 on AVX-512 CPUs) has the
-verified layout; other ISAs are refused.  Per request, ``SamplingParams(extra_args=
-{"kv_transfer_params": {"recompute_ratio": r}})`` overrides the ratio (``r = 1.0``
-recomputes every token: vLLM's full prefill, up to float rounding).
+Per request, ``kv_transfer_params`` may carry ``"chunks"`` (``[start, end)`` token spans),
+any selection option of :class:`~cacheblend.config.RequestOptions` (``method``:
+``"blend"``, ``"reuse"`` or ``"full"``; ``recompute_ratio``, ``check_layers``,
+``deviation``, ``gradual``; invalid ones make the request run as plain vLLM), or an
+operation: ``{"cacheblend": "ingest", "sink": s}`` stores vLLM's own K/V of the chunk
+after ``s`` sink ids; ``{"cacheblend": "release", "ids": [...]}`` deletes a chunk's entry;
+``{"cacheblend": "ping"}`` asks who is there.  Run vLLM with
+``enable_prefix_caching=False`` (blended blocks must not enter vLLM's prefix cache as if
+exact).  Only the ``vec`` attention ISA (float32 on AVX-512 CPUs) has the verified layout.
 """
 
 from __future__ import annotations
@@ -68,15 +48,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 
+from ..cache.chunks import LookupCounter
+from ..config import BlendConfig, ConnectorConfig, RequestOptions
+from ..engine import Engine
+from ..errors import CacheBlendError
+from ..generate.decode import KVCache
+from ..models.decoder import apply_rope
+from ..prompt import PromptBuilder
+from ..store import ChunkKV, tier_total
+from .paged import paged_views, read_blocks, write_blocks
 from .registry import REDIS_PASSAGES_KEY, ChunkMatcher, read_passages, register_passages
 
-__all__ = ["REDIS_PASSAGES_KEY", "CacheBlendConnector", "ChunkMatcher", "read_passages", "register_passages"]
+__all__ = ["REDIS_PASSAGES_KEY", "CacheBlendConnector", "ChunkMatcher", "paged_views", "read_passages",
+           "register_passages"]
 
 log = logging.getLogger("vllm.cacheblend")  # under "vllm", so vLLM's log handler shows it
 
@@ -94,8 +85,7 @@ class BlendLoad:
     block_ids: list[int]
     start: int
     spans: list[tuple[int, int]]
-    recompute_ratio: float
-    selection: dict[str, Any] = field(default_factory=dict)  # check_layers, deviation, gradual
+    blend: BlendConfig  # the HKVD selection: the server's defaults with the request's options
 
 
 @dataclass
@@ -143,17 +133,6 @@ def _layer_index(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def paged_views(cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K as ``[blocks, heads, head_dim, block_size]`` and V as ``[blocks, heads, block_size,
-    head_dim]``: views of one layer's CPU cache ``[blocks, heads, block_size, 2*head_dim]``,
-    whose (block, head) pages hold all K (transposed), then all V ("vec" ISA)."""
-    nb, heads = cache.shape[:2]
-    halves = cache.view(nb, heads, 2, -1)
-    head_dim = halves.shape[-1] // block_size
-    return (halves[:, :, 0].unflatten(-1, (head_dim, block_size)),
-            halves[:, :, 1].unflatten(-1, (block_size, head_dim)))
-
-
 # ---------------------------------------------------------------- the connector
 
 class CacheBlendConnector(KVConnectorBase_V1):
@@ -161,22 +140,19 @@ class CacheBlendConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.store_spec: str | None = extra.get("store")
-        self.recompute_ratio = float(extra.get("recompute_ratio", 0.15))
+        self.config = ConnectorConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size: int = vllm_config.cache_config.block_size
-        self.min_tokens = int(extra.get("min_tokens", 2 * self.block_size))
+        self.min_tokens = self.config.min_tokens if self.config.min_tokens is not None else 2 * self.block_size
         self.model_dir: str = vllm_config.model_config.model
         self.dtype: torch.dtype = vllm_config.model_config.dtype
-        self.passages_path: str | None = extra.get("passages")
         # scheduler side
         self._matcher: ChunkMatcher | None = None
         self._spans: dict[str, list[tuple[int, int]]] = {}  # req_id -> matched spans (a pure cache)
         self._pending: dict[str, BlendLoad] = {}
         self._ops: dict[str, tuple[str, Any]] = {}  # req_id -> ("ingest", sink) | ("release", ids)
-        self.stats_path: str | None = extra.get("stats")
+        self._blends: dict[str, BlendConfig | None] = {}  # req_id -> its selection (None: invalid options)
         # worker side
-        self._engine = None
+        self._engine: Engine | None = None
         self._kv_caches: list[torch.Tensor] = []
         self._failed_blocks: set[int] = set()
         self.last_stats: dict[str, Any] = {}
@@ -184,12 +160,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
     # ---- scheduler side ------------------------------------------------------------
     def _get_matcher(self) -> ChunkMatcher:
         if self._matcher is None:
-            from transformers import AutoTokenizer
-
-            from ..prompt import PromptBuilder
-
             prompts = PromptBuilder(AutoTokenizer.from_pretrained(self.model_dir))
-            self._matcher = ChunkMatcher(prompts.encode, prompts.chunk_separator, self.passages_path)
+            self._matcher = ChunkMatcher(prompts.encode, prompts.chunk_separator, self.config.passages)
         self._matcher.refresh()
         return self._matcher
 
@@ -201,7 +173,9 @@ class CacheBlendConnector(KVConnectorBase_V1):
             ids = list(request.prompt_token_ids or [])
             params = request_params(request)
             spans = []
-            if params.get("cacheblend") is None and params.get("method", "blend") in ("blend", "reuse"):
+            blend = self._blend_config(request.request_id, params)
+            if params.get("cacheblend") is None and blend is not None and params.get("method", "blend") in (
+                    "blend", "reuse"):
                 given = params.get("chunks")
                 if given is not None:
                     spans = valid_spans(given, len(ids)) or []
@@ -212,14 +186,21 @@ class CacheBlendConnector(KVConnectorBase_V1):
             self._spans[request.request_id] = spans
         return spans
 
-    def _ratio(self, params: dict) -> float:
-        if params.get("method") == "reuse":
-            return 0.0
-        try:
-            ratio = float(params.get("recompute_ratio", self.recompute_ratio))
-        except (TypeError, ValueError):
-            ratio = self.recompute_ratio
-        return min(1.0, max(0.0, ratio))
+    def _blend_config(self, req_id: str, params: dict) -> BlendConfig | None:
+        """The request's selection: the server's defaults with the request's options; None
+        (the request then runs as plain vLLM) if they are invalid: the scheduler must never
+        fail a request over its hints."""
+        if req_id not in self._blends:
+            keys = ("method", "recompute_ratio", "check_layers", "deviation", "gradual")
+            try:
+                opts = RequestOptions.parse({k: params[k] for k in keys if k in params}, base=self.config.defaults)
+                if opts.auto:
+                    raise CacheBlendError("recompute_ratio='auto' needs the in-process Engine")
+                self._blends[req_id] = opts.blend()
+            except CacheBlendError as e:
+                log.warning("CacheBlend: running %s as plain vLLM: %s", req_id, e)
+                self._blends[req_id] = None
+        return self._blends[req_id]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         n = len(request.prompt_token_ids or [])
@@ -239,9 +220,10 @@ class CacheBlendConnector(KVConnectorBase_V1):
             log.warning("CacheBlend: unknown or malformed operation %r of %s", op, request.request_id)
         if num_external_tokens <= 0:
             return
-        selection = {k: params[k] for k in ("check_layers", "deviation", "gradual") if k in params}
+        blend = self._blend_config(request.request_id, params)
+        assert blend is not None  # external tokens are reported only for valid options
         self._pending[request.request_id] = BlendLoad(request.request_id, ids, [], len(ids) - 1 - num_external_tokens,
-                                                      self._match(request), self._ratio(params), selection)
+                                                      self._match(request), blend)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """Loads for this step's new requests, and for requests resumed after preemption
@@ -279,19 +261,19 @@ class CacheBlendConnector(KVConnectorBase_V1):
         spans = self._spans.pop(request.request_id, None) or []
         self._pending.pop(request.request_id, None)
         self._ops.pop(request.request_id, None)
+        self._blends.pop(request.request_id, None)
         if not request_params(request):
             return False, None
         return False, {"cacheblend": {"connector": type(self).__name__, "chunks": len(spans)}}
 
     # ---- worker side ---------------------------------------------------------------
-    def engine(self):
+    def engine(self) -> Engine:
         """The core engine on vLLM's own weights folder and dtype, made once per worker."""
         if self._engine is None:
-            from ..engine import Engine
-
             t = time.perf_counter()
-            self._engine = Engine.load(self.model_dir, store=self.store_spec, dtype=self.dtype)
-            log.info("CacheBlend engine loaded in %.1f s (store %s)", time.perf_counter() - t, self.store_spec)
+            self._engine = Engine.load(self.model_dir, store=self.config.store, dtype=self.dtype,
+                                       chunk_sink=self.config.chunk_sink)
+            log.info("CacheBlend engine loaded in %.1f s (store %s)", time.perf_counter() - t, self.config.store)
         return self._engine
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -307,97 +289,56 @@ class CacheBlendConnector(KVConnectorBase_V1):
         if len(self._kv_caches) != dec.num_layers:
             raise RuntimeError(f"{len(self._kv_caches)} vLLM KV layers, the model has {dec.num_layers}")
 
-    def _segments(self, load: BlendLoad, counter):
-        from ..blend.fusor import Segment
-
-        eng = self.engine()
-        segs, pos, ids = [], 0, load.token_ids
-        for a, b in load.spans:
-            if a > pos:
-                segs.append(Segment(ids[pos:a]))
-            segs.append(Segment(ids[a:b], eng._chunk_kv(eng._handle(ids[a:b]), counter)))
-            pos = b
-        segs.append(Segment(ids[pos:]))
-        return segs
-
     def _blend(self, load: BlendLoad) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused K (post-RoPE) and V ``[layers, heads, tokens, head_dim]`` of the whole prompt,
-        through the engine's own prefill (store lookups, retries on damaged entries)."""
-        from ..blend.fusor import KVCache
-        from ..blend.selection import BlendConfig
-        from ..engine import _Counter
-        from ..store import tier_total
-
+        through the chunk-cache service (store lookups, retries on damaged entries)."""
         eng = self.engine()
-        config = BlendConfig(recompute_ratio=load.recompute_ratio, **{
-            k: tuple(v) if k == "check_layers" else v for k, v in load.selection.items()})
-        config.validate_for(eng.decoder.shape.num_layers)
+        cache = eng.chunks
+        load.blend.validate_for(eng.decoder.shape.num_layers)
         kv = KVCache(eng.decoder.shape, len(load.token_ids), eng.device)
-        counter = _Counter()
+        counter = LookupCounter()
         unreachable = tier_total(eng.store, "unreachable")
-        report = eng.fuse(lambda c: (self._segments(load, c), config), kv, counter)
+        report = cache.fuse(lambda c: (cache.span_segments(load.token_ids, load.spans, c), load.blend), kv, counter)
         self.last_stats = {"req_id": load.req_id, "op": "load", "prompt_tokens": report.prompt_tokens,
-                           "chunks": len(load.spans), "recompute_ratio": load.recompute_ratio,
+                           "chunks": len(load.spans), "recompute_ratio": load.blend.recompute_ratio,
                            "reused": report.reused_tokens, "recomputed": report.recomputed_tokens,
                            "computed": report.computed_tokens, "store_hits": counter.hits,
-                           "store_misses": counter.misses, "store_rejected": counter.corrupt + counter.foreign,
+                           "store_misses": counter.misses, "store_rejected": counter.rejected,
                            "store_unreachable": tier_total(eng.store, "unreachable") - unreachable}
         return kv.k, kv.v
 
     def _write(self, load: BlendLoad, k: torch.Tensor, v: torch.Tensor) -> None:
         end = len(load.token_ids) - 1
-        t = torch.arange(load.start, end)
-        blk = torch.tensor(load.block_ids, dtype=torch.long)[t // self.block_size]
-        off = t % self.block_size
-        for layer, cache in enumerate(self._kv_caches):
-            k_t, v_pg = paged_views(cache, self.block_size)
-            k_t[blk, :, :, off] = k[layer, :, load.start : end].permute(1, 0, 2).to(cache.dtype)
-            v_pg[blk, :, off] = v[layer, :, load.start : end].permute(1, 0, 2).to(cache.dtype)
+        write_blocks(self._kv_caches, self.block_size, load.block_ids, load.start, k[:, :, load.start:end],
+                     v[:, :, load.start:end])
 
     def _record(self, stats: dict[str, Any]) -> None:
         log.info("CacheBlend %s", stats)
-        if self.stats_path:
-            with _LOCK, open(self.stats_path, "a", encoding="utf-8") as f:
+        if self.config.stats:
+            with _LOCK, open(self.config.stats, "a", encoding="utf-8") as f:
                 f.write(json.dumps(stats) + "\n")
-
-    def _read(self, token_ids: list[int], block_ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (as stored: post-RoPE) and V ``[layers, heads, tokens, head_dim]`` of tokens
-        ``[start, len(token_ids))`` from the request's blocks."""
-        t = torch.arange(start, len(token_ids))
-        blk = torch.tensor(block_ids, dtype=torch.long)[t // self.block_size]
-        off = t % self.block_size
-        ks, vs = [], []
-        for cache in self._kv_caches:
-            k_t, v_pg = paged_views(cache, self.block_size)
-            ks.append(k_t[blk, :, :, off].permute(1, 0, 2))  # [n, H, D] -> [H, n, D]
-            vs.append(v_pg[blk, :, off].permute(1, 0, 2))
-        return torch.stack(ks), torch.stack(vs)
 
     def _save(self, save: ChunkSave) -> None:
         """Store vLLM's K/V of an ingest request's chunk as the core's entry: keys rotated
         back to no position (vLLM stores them after RoPE at positions ``sink, sink+1, …``)."""
-        from ..models.decoder import apply_rope
-        from ..store import ChunkKV
-
         eng = self.engine()
+        cache = eng.chunks
         sink, chunk = save.token_ids[: save.sink], save.token_ids[save.sink :]
-        if sink != list(eng._sink):
-            raise ValueError(f"ingest sink {sink} is not the engine's chunk sink {list(eng._sink)}")
-        handle = eng._handle(chunk)
-        if eng.store.open(handle.key) is not None:
-            self._record({"req_id": save.req_id, "op": "ingest", "key": handle.key[:16], "stored": False})
+        if tuple(sink) != cache.sink:
+            raise ValueError(f"ingest sink {sink} is not the engine's chunk sink {list(cache.sink)}")
+        key = cache.handle(chunk).key[:16]
+        if eng.store.open(cache.handle(chunk).key) is not None:
+            self._record({"req_id": save.req_id, "op": "ingest", "key": key, "stored": False})
             return
-        k, v = self._read(save.token_ids, save.block_ids, save.sink)
+        k, v = read_blocks(self._kv_caches, self.block_size, save.block_ids, save.sink, len(save.token_ids))
         cos, sin = eng.decoder.rope_tables(torch.arange(save.sink, len(save.token_ids)))
         k = apply_rope(k.float(), cos[None, None].float(), -sin[None, None].float()).to(eng.decoder.shape.dtype)
-        entry = ChunkKV(k.contiguous(), v.to(k.dtype).contiguous(), eng._meta(chunk, eng.chunk_policy))
-        eng.store.put(handle.key, entry)
-        self._record({"req_id": save.req_id, "op": "ingest", "key": handle.key[:16], "stored": True,
-                      "tokens": len(chunk)})
+        stored = cache.save(chunk, ChunkKV(k.contiguous(), v.to(k.dtype).contiguous()))
+        self._record({"req_id": save.req_id, "op": "ingest", "key": key, "stored": stored, "tokens": len(chunk)})
 
     def _release(self, ids: list[int]) -> None:
-        eng = self.engine()
-        removed = bool(eng.store.delete(eng._handle(ids).key))
+        cache = self.engine().chunks
+        removed = cache.release(cache.handle(ids))
         self._record({"op": "release", "tokens": len(ids), "removed": removed})
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

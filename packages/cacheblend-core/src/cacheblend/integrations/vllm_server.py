@@ -22,17 +22,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import ConnectorConfig
+
 CONNECTOR_MODULE = "cacheblend.integrations.vllm"
 
 
-def kv_transfer_config(store: str, *, passages: str | None = None, recompute_ratio: float = 0.15,
-                       stats: str | None = None, **extra: Any) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` (or ``KVTransferConfig(**...)``) that loads the connector."""
-    options: dict[str, Any] = {"store": store, "recompute_ratio": recompute_ratio, **extra}
+def kv_transfer_config(store: str, *, passages: str | None = None, stats: str | None = None,
+                       **extra: Any) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` (or ``KVTransferConfig(**...)``) that loads the connector;
+    ``extra``: further :class:`~cacheblend.config.ConnectorConfig` fields, e.g. a default
+    ``recompute_ratio`` (checked here, so a typo fails before a server starts)."""
+    options: dict[str, Any] = {"store": store, **extra}
     if passages:
         options["passages"] = passages
     if stats:
         options["stats"] = stats
+    ConnectorConfig.parse(options)
     return {"kv_connector": "CacheBlendConnector", "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both", "kv_connector_extra_config": options}
 

@@ -14,9 +14,10 @@ the ``nn.Linear``), Qwen3 (per-head ``q_norm``/``k_norm`` before RoPE).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -53,7 +54,9 @@ class ModelShape:
 class Decoder:
     """Runs a transformers ``*ForCausalLM`` (Llama family) one layer at a time."""
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: Any) -> None:
+        """``hf_model``: a transformers ``*ForCausalLM`` (typed loosely: its submodules are
+        reached by name)."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(

@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -101,7 +102,7 @@ def convert_gguf(gguf: Path) -> Path:
         )
         # The de-quantized weights are plain float tensors; drop the GGUF marker so
         # transformers agrees to save them.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.config.name_or_path = gguf.stem
@@ -163,7 +164,7 @@ def weights_digest(folder: Path) -> str:
 class LoadedModel:
     folder: Path
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: Any
     fingerprint: str
     name: str
 
@@ -179,7 +180,7 @@ def load_model(
             raise ValueError(f"unknown dtype {dtype!r}")
         dtype = getattr(torch, dtype)
     dtype = dtype or torch.float32
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     tok = AutoTokenizer.from_pretrained(folder)
     cfg = hf.config.to_dict()
     for volatile in ("_name_or_path", "name_or_path", "transformers_version", "dtype", "torch_dtype"):

@@ -8,9 +8,9 @@ cache dir: bounded, because one 600-token chunk of a small model is already ~28 
 
 from __future__ import annotations
 
+from ..cache.keys import chunk_key
 from .disk import DiskStore
 from .entry import ChunkKV, CorruptEntry, LayerSource
-from .keys import chunk_key
 from .memory import MemoryStore
 from .tiered import Tier, TieredStore
 

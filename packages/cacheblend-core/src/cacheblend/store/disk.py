@@ -67,10 +67,10 @@ class DiskSource:
             k = self._file.get_tensor(f"k.{index}")
             v = self._file.get_tensor(f"v.{index}")
         except Exception as e:
-            self._store._condemn(self.key)
+            self._store.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} unreadable: {e}") from e
         if k.shape[1] != self.num_tokens or layer_digest(k, v) != self._digests[index]:
-            self._store._condemn(self.key)
+            self._store.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} fails its checksum")
         return k, v
 
@@ -156,7 +156,7 @@ class DiskStore:
         except FileNotFoundError:
             return None
         except CorruptEntry:
-            self._condemn(key)
+            self.condemn(key)
             return None
         self._sql("UPDATE entries SET used = ? WHERE key = ?", (time.time(), key))
         return source
@@ -164,7 +164,7 @@ class DiskStore:
     def get(self, key: str) -> ChunkKV | None:
         return read_entry(self.open(key))
 
-    def _condemn(self, key: str) -> None:
+    def condemn(self, key: str) -> None:
         """Count and remove an entry that failed verification."""
         with self._lock:
             self.corrupt += 1

@@ -17,9 +17,14 @@ class CorruptEntry(Exception):
 class LayerSource(Protocol):
     """A stored chunk whose layers can be read one at a time (for pipelined loading)."""
 
-    num_tokens: int
-    num_layers: int
-    meta: dict[str, str]
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def meta(self) -> dict[str, str]: ...
 
     def layer(self, index: int) -> tuple[Tensor, Tensor]: ...
 

@@ -38,21 +38,21 @@ class RedisSource:
         self.meta = {k: str(v) for k, v in meta.items() if k not in ("layer_sha256", "shape")}
 
     def layer(self, index: int):
-        blob = self._tier._call(lambda r: r.get(self._tier._name(self.key, index)))
+        blob = self._tier.call(lambda r: r.get(self._tier.entry_name(self.key, index)))
         if blob is None:
             raise CorruptEntry(f"{self.key}: layer {index} missing (evicted or unreachable)")
         flat = torch.frombuffer(bytearray(blob), dtype=self._dtype)
         if flat.numel() % 2:
-            self._tier._condemn(self.key)
+            self._tier.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} has an odd size")
         half = flat.numel() // 2
         try:
             k, v = flat[:half].view(self._shape), flat[half:].view(self._shape)
         except RuntimeError as e:
-            self._tier._condemn(self.key)
+            self._tier.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} has the wrong size") from e
         if layer_digest(k, v) != self._digests[index]:
-            self._tier._condemn(self.key)
+            self._tier.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} fails its checksum")
         return k, v
 
@@ -73,10 +73,10 @@ class RedisStore:
         self.unreachable = 0
         self.last_error: str | None = None
 
-    def _name(self, key: str, part: int | str) -> str:
+    def entry_name(self, key: str, part: int | str) -> str:
         return f"{self.prefix}:{key}:{part}"
 
-    def _call(self, fn):
+    def call(self, fn):
         """Run ``fn(client)``; a connection failure is a miss, and the tier rests a while."""
         if time.monotonic() < self._down_until:
             return None
@@ -93,10 +93,10 @@ class RedisStore:
 
     @property
     def available(self) -> bool:
-        return self._call(lambda r: r.ping()) is True
+        return self.call(lambda r: r.ping()) is True
 
     def open(self, key: str) -> RedisSource | None:
-        raw = self._call(lambda r: r.get(self._name(key, "meta")))
+        raw = self.call(lambda r: r.get(self.entry_name(key, "meta")))
         if raw is None:
             return None
         try:
@@ -106,7 +106,7 @@ class RedisStore:
             return RedisSource(self, key, meta)
         except (ValueError, KeyError, TypeError) as e:
             self.last_error = f"bad meta for {key}: {e}"
-            self._condemn(key)
+            self.condemn(key)
             return None
 
     def get(self, key: str) -> ChunkKV | None:
@@ -122,27 +122,28 @@ class RedisStore:
         def write(r):
             pipe = r.pipeline(transaction=True)
             for i in range(kv.num_layers):
-                pipe.set(self._name(key, i), layer_bytes(*kv.layer(i)), ex=self.ttl_s)
-            pipe.set(self._name(key, "meta"), json.dumps(meta), ex=self.ttl_s)
+                pipe.set(self.entry_name(key, i), layer_bytes(*kv.layer(i)), ex=self.ttl_s)
+            pipe.set(self.entry_name(key, "meta"), json.dumps(meta), ex=self.ttl_s)
             pipe.execute()
             return True
 
-        return self._call(write) is True
+        return self.call(write) is True
 
-    def _condemn(self, key: str) -> None:
+    def condemn(self, key: str) -> None:
+        """Count and remove an entry that failed verification."""
         with self._lock:
             self.corrupt += 1
         self.delete(key)
 
     def delete(self, key: str) -> bool:
         def drop(r):
-            names = [self._name(key, "meta")] + list(r.scan_iter(match=self._name(key, "*"), count=1000))
+            names = [self.entry_name(key, "meta")] + list(r.scan_iter(match=self.entry_name(key, "*"), count=1000))
             return r.delete(*names) > 0
 
-        return bool(self._call(drop))
+        return bool(self.call(drop))
 
     def keys(self) -> list[str]:
-        found = self._call(lambda r: list(r.scan_iter(match=f"{self.prefix}:*:meta", count=1000))) or []
+        found = self.call(lambda r: list(r.scan_iter(match=f"{self.prefix}:*:meta", count=1000))) or []
         return [n.decode().split(":")[-2] for n in found]
 
     def clear(self) -> None:
@@ -151,7 +152,7 @@ class RedisStore:
             for i in range(0, len(names), 1000):
                 r.delete(*names[i : i + 1000])
 
-        self._call(drop_all)
+        self.call(drop_all)
 
     def verify(self, progress=None) -> dict[str, int]:
         """Read every entry fully; drop the ones that fail. Returns counts."""
@@ -164,15 +165,15 @@ class RedisStore:
             orphans = 0
             for name in r.scan_iter(match=f"{self.prefix}:*", count=1000):
                 parts = name.decode().split(":")
-                if parts[-1] != "meta" and not r.exists(self._name(parts[-2], "meta")):
+                if parts[-1] != "meta" and not r.exists(self.entry_name(parts[-2], "meta")):
                     r.delete(name)
                     orphans += 1
             return orphans
 
-        return {"orphan_layers_removed": self._call(sweep) or 0}
+        return {"orphan_layers_removed": self.call(sweep) or 0}
 
     def stats(self) -> dict:
-        info = self._call(lambda r: r.info("memory")) or {}
+        info = self.call(lambda r: r.info("memory")) or {}
         return {"tier": "redis", "url": self.url, "entries": len(self.keys()),
                 "bytes": info.get("used_memory"), "corrupt": self.corrupt,
                 "unreachable": self.unreachable, "last_error": self.last_error}

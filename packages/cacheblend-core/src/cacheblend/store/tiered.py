@@ -66,7 +66,7 @@ class TieredStore:
             self._queue = queue.Queue()
             threading.Thread(target=self._writer, name="cacheblend-store-writer", daemon=True).start()
             ref = weakref.ref(self)
-            atexit.register(lambda: (s := ref()) is not None and s.flush())
+            atexit.register(_flush_at_exit, ref)
 
     # -- reads ---------------------------------------------------------------------
     def open(self, key: str) -> LayerSource | None:
@@ -130,3 +130,10 @@ class TieredStore:
         c = self.stats_counts
         return {"tiers": [t.stats() for t in self.tiers], "hits": list(c.hits), "misses": c.misses,
                 "background_writes": c.background_writes, "failed_writes": c.failed_writes}
+
+
+def _flush_at_exit(ref: weakref.ref[TieredStore]) -> None:
+    """Write what is queued before the interpreter exits (the store may be gone already)."""
+    store = ref()
+    if store is not None:
+        store.flush()

@@ -29,8 +29,10 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from cacheblend import METHODS, CacheBlendError, Engine, Generation, Result
+from cacheblend import METHODS, CacheBlendError, Engine, Result
 from cacheblend.aio import iterate_in_thread, run_in_thread
+from cacheblend.backend import Backend, GenerationRun
+from cacheblend.config import RequestOptions
 from cacheblend.remote import RemoteEngine
 
 # LlamaIndex roles the chat template knows under another name.  Tool and function
@@ -40,10 +42,9 @@ _ROLES = {
     MessageRole.USER: "user", MessageRole.TOOL: "user", MessageRole.FUNCTION: "user",
     MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
 }
-# Per-call keyword overrides accepted by complete()/chat(); anything else is an error
-# rather than silently ignored.
-_CALL_OPTIONS = {"method", "recompute_ratio", "max_tokens", "temperature", "top_p", "stop", "seed",
-                 "quality_floor", "check_layers", "deviation", "gradual", "learn", "documents"}
+_D = RequestOptions()  # the core's defaults: the same options, names and defaults as every entry point
+# Request options that are fields here under the core's own name (max_tokens is LlamaIndex's name).
+_FIELD_OPTIONS = [n for n in RequestOptions.names() if n != "max_new_tokens"]
 
 
 def raw_of(result: Result) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def raw_of(result: Result) -> dict[str, Any]:
     return {"usage": dict(result.usage), "cacheblend": result.metadata()}
 
 
-def finish(gen: Generation) -> Result:
+def finish(gen: GenerationRun) -> Result:
     """Run a generation to its end."""
     for _ in gen.pieces:
         pass
@@ -60,7 +61,7 @@ def finish(gen: Generation) -> Result:
     return gen.result
 
 
-def deltas(gen: Generation) -> Iterator[tuple[str, str, dict | None]]:
+def deltas(gen: GenerationRun) -> Iterator[tuple[str, str, dict | None]]:
     """``(text so far, delta, raw)`` per decoded piece; a last item with an empty delta
     carries ``raw`` once the generation is done (stats exist only then)."""
     text = ""
@@ -88,21 +89,26 @@ class CacheBlendLLM(CustomLLM):
     model: str | None = Field(default=None, description="HF folder, hub id or .gguf; None: the core default.")
     store: str | None = Field(default=None, description="KV store spec ('memory', a folder, redis://...); "
                                                         "None: the core default (memory + disk).")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 decodes greedily.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(default=128, gt=0, description="New tokens at most.")
-    method: str = Field(default="blend", description=f"One of {METHODS}.")
-    recompute_ratio: float | str = Field(default=0.15, description="Share of reused tokens recomputed, or 'auto'.")
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list, description="Strings that end the answer.")
-    learn: bool = Field(default=True, description="Cache long unknown paragraphs of prompts for next time.")
+    temperature: float = Field(default=_D.temperature, ge=0.0, description="0 decodes greedily.")
+    top_p: float = Field(default=_D.top_p, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=_D.max_new_tokens, gt=0, description="New tokens at most.")
+    method: str = Field(default=_D.method, description=f"One of {METHODS}.")
+    recompute_ratio: float | str = Field(default=_D.recompute_ratio,
+                                         description="Share of reused tokens recomputed, or 'auto'.")
+    quality_floor: float = Field(default=_D.quality_floor, description="The least ratio 'auto' may pick.")
+    check_layers: tuple[int, ...] = Field(default=tuple(_D.check_layers), description="HKVD check layers.")
+    deviation: str = Field(default=_D.deviation, description="Deviation measure: 'v', 'k' or 'kv'.")
+    gradual: bool = Field(default=_D.gradual, description="Gradual filtering over the check layers.")
+    seed: int | None = _D.seed
+    stop: list[str] = Field(default_factory=lambda: list(_D.stop), description="Strings that end the answer.")
+    learn: bool = Field(default=_D.learn, description="Cache long unknown paragraphs of prompts for next time.")
     base_url: str | None = Field(default=None, description="An OpenAI-compatible vLLM server with the CacheBlend "
                                                            "connector to answer instead of the in-process engine.")
     api_key: str | None = Field(default=None, description="The server's API key, with base_url.")
 
-    _engine: Engine | RemoteEngine = PrivateAttr()
+    _engine: Backend = PrivateAttr()
 
-    def __init__(self, engine: Engine | RemoteEngine | None = None, **data: Any) -> None:
+    def __init__(self, engine: Backend | None = None, **data: Any) -> None:
         """``engine``: use this engine instead of ``Engine.shared(model, store=store)`` (or,
         with ``base_url``, a :class:`RemoteEngine` on that server)."""
         super().__init__(**data)
@@ -125,7 +131,7 @@ class CacheBlendLLM(CustomLLM):
         return "CacheBlendLLM"
 
     @property
-    def engine(self) -> Engine | RemoteEngine:
+    def engine(self) -> Backend:
         return self._engine
 
     @property
@@ -135,15 +141,14 @@ class CacheBlendLLM(CustomLLM):
 
     # -- translation -------------------------------------------------------------------
     def options(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Engine decoding/blending keywords from the fields, with per-call overrides."""
+        """:class:`~cacheblend.config.RequestOptions` from the fields, with per-call
+        overrides (``max_tokens`` as LlamaIndex names it; ``documents`` passes through)."""
         overrides = dict(overrides or {})
-        unknown = set(overrides) - _CALL_OPTIONS
-        if unknown:
-            raise CacheBlendError(f"unknown option(s) {sorted(unknown)}; accepted: {sorted(_CALL_OPTIONS)}")
-        opts = {"method": self.method, "recompute_ratio": self.recompute_ratio, "max_new_tokens": self.max_tokens,
-                "temperature": self.temperature, "top_p": self.top_p, "stop": tuple(self.stop), "seed": self.seed}
         if "max_tokens" in overrides:
-            opts["max_new_tokens"] = overrides.pop("max_tokens")
+            overrides["max_new_tokens"] = overrides.pop("max_tokens")
+        RequestOptions.check_names({k: v for k, v in overrides.items() if k != "documents"}, "CacheBlendLLM")
+        opts = {name: getattr(self, name) for name in _FIELD_OPTIONS} | {"max_new_tokens": self.max_tokens}
+        opts["stop"] = tuple(opts["stop"])
         return opts | overrides
 
     @staticmethod
@@ -155,16 +160,16 @@ class CacheBlendLLM(CustomLLM):
             out.append({"role": _ROLES.get(m.role, "user"), "content": m.content or ""})
         return out
 
-    def _start_chat(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> Generation:
+    def _start_chat(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> GenerationRun:
         opts = self.options(kwargs)
-        learn = opts.pop("learn", self.learn)
         documents = opts.pop("documents", ())
-        return self._engine.start_chat(messages, documents=documents, learn=learn, **opts)
+        return self._engine.start_chat(messages, documents, **opts)
 
-    def _start_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> Generation:
+    def _start_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> GenerationRun:
         if not isinstance(prompt, str):
             raise CacheBlendError(f"prompt must be a string, got {type(prompt).__name__}")
-        messages = [{"role": "user", "content": prompt if formatted else self.completion_to_prompt(prompt)}]
+        to_prompt = self.completion_to_prompt or (lambda text: text)
+        messages = [{"role": "user", "content": prompt if formatted else to_prompt(prompt)}]
         if self.system_prompt and not formatted:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return self._start_chat(messages, kwargs)

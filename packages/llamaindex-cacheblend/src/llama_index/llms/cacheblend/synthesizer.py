@@ -9,7 +9,7 @@ by key, whatever the query.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import CompletionResponse
@@ -23,8 +23,9 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from cacheblend import CacheBlendError, Generation
+from cacheblend import CacheBlendError
 from cacheblend.aio import iterate_in_thread, run_in_thread
+from cacheblend.backend import GenerationRun
 
 from .base import CacheBlendLLM, finish, raw_of
 
@@ -62,10 +63,9 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         pass
 
     # -- the blended call ------------------------------------------------------------------
-    def _start(self, query_str: str, text_chunks: Sequence[str], kwargs: dict[str, Any]) -> Generation:
+    def _start(self, query_str: str, text_chunks: Sequence[str], kwargs: dict[str, Any]) -> GenerationRun:
         chunks = [c for c in text_chunks if c.strip()]  # an empty node has nothing to cache
         opts = self._cb_llm.options(kwargs)
-        opts.pop("learn", None)
         if opts.pop("documents", None):
             raise CacheBlendError("the synthesizer takes its chunks from the nodes, not documents=")
         query = self.query_template.replace("{query_str}", query_str)
@@ -76,7 +76,7 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         prompt = "\n\n".join([*chunks, query_str])
         return self.callback_manager.on_event_start(CBEventType.LLM, payload={EventPayload.PROMPT: prompt})
 
-    def _done(self, event_id: str, query_str: str, gen: Generation, sink: dict | None) -> None:
+    def _done(self, event_id: str, query_str: str, gen: GenerationRun, sink: dict | None) -> None:
         result = gen.result
         assert result is not None
         if sink is not None:
@@ -85,7 +85,8 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         self.callback_manager.on_event_end(CBEventType.LLM, event_id=event_id,
                                            payload={EventPayload.PROMPT: query_str, EventPayload.COMPLETION: response})
 
-    def _stream(self, query_str: str, gen: Generation, event_id: str, sink: dict | None) -> Iterator[str]:
+    def _stream(self, query_str: str, gen: GenerationRun, event_id: str,
+                sink: dict | None) -> Generator[str, None, None]:
         try:
             yield from gen.pieces
         finally:
@@ -113,16 +114,17 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         return gen.result.text  # type: ignore[union-attr]
 
     @staticmethod
-    async def _astream(pieces: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def _astream(pieces: AsyncIterator[str]) -> AsyncGenerator[str, None]:
         async for piece in pieces:  # an async generator, as AsyncStreamingResponse expects
             yield piece
 
     # -- responses carry the stats ------------------------------------------------------------
     @staticmethod
     def _attach(response: RESPONSE_TYPE, sink: dict) -> RESPONSE_TYPE:
-        if getattr(response, "metadata", None) is None:
-            response.metadata = {}
-        response.metadata["cacheblend"] = sink
+        metadata = getattr(response, "metadata", None)
+        if metadata is None:
+            metadata = response.metadata = {}
+        metadata["cacheblend"] = sink
         return response
 
     def synthesize(self, query: Any, nodes: list[NodeWithScore],

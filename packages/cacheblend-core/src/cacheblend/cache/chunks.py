@@ -1,0 +1,250 @@
+"""The chunk-cache service: from chunk token ids to trusted, position-free K/V.
+
+Ingest (chunk precompute, DESIGN "the mechanism" 1–2), lookup with verification, the
+retry on entries found damaged mid-read, and release live here, behind one public API
+that the in-process engine, the vLLM connector's worker and the benchmarks all use, so
+that a chunk gets the same key and the same cache whoever asks for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..blend.fusor import FusionReport, KVCache, Segment, fused_prefill
+from ..config import BlendConfig
+from ..errors import CacheBlendError, UnknownChunkError
+from ..models.decoder import Decoder
+from ..prompt import PromptBuilder, PromptIds
+from ..results import ChunkHandle
+from ..store import ChunkKV, CorruptEntry, LayerSource, Tier, tier_total
+from ..store.entry import PrefixView
+from .keys import chunk_key
+
+ATTEMPTS = 3  # a damaged entry is looked up again; the last attempt bypasses the store
+PREFIX_POLICY = "prefix"  # exact K/V of a prompt prefix computed at position 0
+
+
+@dataclass
+class LookupCounter:
+    """Store traffic of one prefill: what was served, computed, rejected and how long
+    precomputing missing chunks took (it is not prefill time)."""
+
+    hits: int = 0
+    misses: int = 0
+    foreign: int = 0  # entries of another model or length: dropped, recomputed
+    corrupt: int = 0  # entries found damaged: dropped by their tier, recomputed
+    precompute_s: float = 0.0
+    bypass_store: bool = False
+
+    @property
+    def rejected(self) -> int:
+        return self.foreign + self.corrupt
+
+
+# lookup(counter) -> the prompt's segments with their caches, and the selection to use
+Lookup = Callable[[LookupCounter], tuple[list[Segment], BlendConfig]]
+Observe = Callable[[list[Segment], FusionReport], None]
+
+
+class ChunkCache:
+    """Keys, precompute, lookup and release of chunk caches for one model and store.
+
+    A chunk is precomputed behind the sink ids (``sink``) at position 0, the sink's own
+    K/V dropped; its key hashes the model fingerprint, the precompute ``policy`` and the
+    chunk's token ids, so a cache is only ever served to the same model, tokens and policy.
+    """
+
+    def __init__(self, decoder: Decoder, store: Tier, prompts: PromptBuilder, fingerprint: str,
+                 sink: Sequence[int], device: torch.device, prefetch: bool = True) -> None:
+        self.decoder = decoder
+        self.store = store
+        self.prompts = prompts
+        self.fingerprint = fingerprint
+        self.sink: tuple[int, ...] = tuple(sink)
+        self.policy = "chunk:sink=" + ",".join(map(str, self.sink))
+        self.device = device
+        self.prefetch = prefetch
+        self.separator: list[int] = prompts.encode(prompts.chunk_separator)
+        self.lock = threading.Lock()  # the store and the controller are shared; decoding is not
+
+    # -- identity ----------------------------------------------------------------------
+    def handle(self, ids: Sequence[int]) -> ChunkHandle:
+        """The handle of the chunk with these token ids (whether it is stored or not)."""
+        ids = list(ids)
+        return ChunkHandle(key=chunk_key(self.fingerprint, ids, self.policy), num_tokens=len(ids),
+                           token_ids=tuple(ids), model_fingerprint=self.fingerprint)
+
+    def handle_of(self, text: str) -> ChunkHandle:
+        """The handle of a chunk given as text (tokenized as a chunk: text + separator)."""
+        if not isinstance(text, str) or not text.strip():
+            raise CacheBlendError("a chunk must be a non-empty string")
+        return self.handle(self.prompts.chunk_ids(text))
+
+    def resolve(self, chunk: ChunkHandle | str) -> ChunkHandle:
+        """A handle for a text, or a given handle checked to be this cache's own."""
+        if isinstance(chunk, str):
+            return self.handle_of(chunk)
+        if not isinstance(chunk, ChunkHandle):
+            raise CacheBlendError(f"chunks take ChunkHandle or str, got {type(chunk).__name__}")
+        if chunk.model_fingerprint and chunk.model_fingerprint != self.fingerprint:
+            raise UnknownChunkError(f"chunk {chunk.key[:12]}… was made by another model")
+        if not chunk.token_ids or chunk_key(self.fingerprint, chunk.token_ids, self.policy) != chunk.key:
+            raise UnknownChunkError(
+                f"unknown chunk handle {chunk.key[:12]}…: not made by Engine.ingest of this engine"
+            )
+        return chunk
+
+    def meta(self, ids: Sequence[int], policy: str | None = None) -> dict[str, str]:
+        """Who made a cache: stored in its header and checked when it is read."""
+        return {"model": self.fingerprint, "policy": self.policy if policy is None else policy,
+                "tokens_sha256": chunk_key("", ids, ""), "num_tokens": str(len(ids))}
+
+    # -- ingest ------------------------------------------------------------------------
+    def precompute(self, ids: Sequence[int]) -> ChunkKV:
+        """K (pre-RoPE) and V of ``ids`` run behind the sink at position 0, with the sink's
+        own K/V dropped (DESIGN.md, chunk precompute)."""
+        kv = self._prefill_kv(list(self.sink) + list(ids), keep_from=len(self.sink))
+        return ChunkKV(kv.k, kv.v, self.meta(ids))
+
+    def precompute_prefix(self, ids: Sequence[int]) -> ChunkKV:
+        """Exact K/V of a prompt prefix at position 0 (what prefix caching reuses)."""
+        kv = self._prefill_kv(list(ids))
+        return ChunkKV(kv.k, kv.v, self.meta(ids, PREFIX_POLICY))
+
+    def ingest(self, handle: ChunkHandle) -> bool:
+        """Precompute and store ``handle``'s chunk unless a trusted entry is stored;
+        returns whether it was computed now."""
+        counter = LookupCounter()
+        with self.lock:
+            self.chunk_source(handle, counter)
+        return counter.misses > 0
+
+    def save(self, ids: Sequence[int], kv: ChunkKV) -> bool:
+        """Store K/V of chunk ``ids`` made elsewhere (vLLM's own, un-rotated) under the
+        chunk's key, unless an entry is there; returns whether it was stored."""
+        key = self.handle(ids).key
+        if self.store.open(key) is not None:
+            return False
+        return bool(self.store.put(key, ChunkKV(kv.k, kv.v, self.meta(ids))))
+
+    def release(self, handle: ChunkHandle) -> bool:
+        """Delete the chunk's entry from every tier (exact key only); whether one was stored."""
+        return bool(self.store.delete(handle.key))
+
+    def _prefill_kv(self, ids: list[int], keep_from: int = 0) -> ChunkKV:
+        shape = self.decoder.shape
+        n = len(ids)
+        if n > shape.max_positions:
+            raise CacheBlendError(f"chunk of {n} tokens exceeds the model's context of {shape.max_positions}")
+        out_k = torch.empty((shape.num_layers, shape.num_kv_heads, n - keep_from, shape.head_dim), dtype=shape.dtype)
+        out_v = torch.empty_like(out_k)
+
+        def capture(layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            out_k[layer] = k[:, keep_from:]
+            out_v[layer] = v[:, keep_from:]
+
+        kv = KVCache(shape, n, self.device)
+        with torch.inference_mode():
+            fused_prefill(self.decoder, [Segment(ids)], kv, BlendConfig(), capture=capture)
+        return ChunkKV(out_k, out_v)
+
+    # -- lookup ------------------------------------------------------------------------
+    def chunk_source(self, handle: ChunkHandle, counter: LookupCounter) -> LayerSource:
+        """The chunk's cache, read lazily layer by layer (computed and stored on a miss).
+
+        A chunk is stored followed by the chunk separator; one that a template puts
+        elsewhere (not followed by a blank line) is served from that same entry's first
+        tokens (:class:`PrefixView`), so each passage is computed and stored once."""
+        ids = list(handle.token_ids)
+        sep = self.separator
+        if not sep or ids[-len(sep):] == sep:
+            return self._lookup(handle.key, ids, self.precompute, counter)
+        full = ids + sep
+        source = self._lookup(chunk_key(self.fingerprint, full, self.policy), full, self.precompute, counter)
+        return PrefixView(source, len(ids))
+
+    def prefix_source(self, ids: Sequence[int], counter: LookupCounter) -> LayerSource:
+        """Exact K/V of a prompt prefix computed at position 0 (prefix caching)."""
+        return self._lookup(chunk_key(self.fingerprint, ids, PREFIX_POLICY), ids, self.precompute_prefix, counter)
+
+    def _lookup(self, key: str, ids: Sequence[int], compute: Callable[[Sequence[int]], ChunkKV],
+                counter: LookupCounter) -> LayerSource:
+        """The stored cache for ``key``, else ``compute(ids)`` stored under it.  An entry
+        made by another model (or of another length) is dropped, never served."""
+        source = None if counter.bypass_store else self.store.open(key)
+        if source is not None:
+            model = source.meta.get("model")
+            if source.num_tokens == len(ids) and model in (None, self.fingerprint):
+                counter.hits += 1
+                return source
+            counter.foreign += 1
+            self.store.delete(key)
+        counter.misses += 1
+        t = time.perf_counter()
+        kv = compute(list(ids))
+        self.store.put(key, kv)
+        counter.precompute_s += time.perf_counter() - t
+        return kv
+
+    def segments(self, prompt: PromptIds, handles: Sequence[ChunkHandle], method: str,
+                 counter: LookupCounter) -> list[Segment]:
+        """The prompt as fusor segments with the caches ``method`` may use."""
+        if method == "full":
+            return [Segment(prompt.all_ids)]
+        body = prompt.body()
+        if method == "prefix":
+            first = next((i for i, (_, chunk) in enumerate(body) if chunk), None)
+            head = prompt.prefix + (body[first][0] if first is not None else [])
+            rest = [t for ids, _ in body[(first + 1 if first is not None else 0):] for t in ids]
+            return [Segment(head, self.prefix_source(head, counter), exact=True), Segment(rest)]
+        segs = [Segment(prompt.prefix, self.prefix_source(prompt.prefix, counter), exact=True)] if prompt.prefix else []
+        chunk_handles = iter(handles)
+        for ids, chunk in body:
+            segs.append(Segment(ids, self.chunk_source(next(chunk_handles), counter)) if chunk else Segment(ids))
+        return segs
+
+    def span_segments(self, ids: Sequence[int], spans: Sequence[tuple[int, int]],
+                      counter: LookupCounter) -> list[Segment]:
+        """Segments of a prompt given as token ids with ``[start, end)`` chunk spans (what a
+        vLLM request carries): spans reuse their chunks' caches, the rest is computed."""
+        ids = list(ids)
+        segs, pos = [], 0
+        for a, b in spans:
+            if a > pos:
+                segs.append(Segment(ids[pos:a]))
+            segs.append(Segment(ids[a:b], self.chunk_source(self.handle(ids[a:b]), counter)))
+            pos = b
+        segs.append(Segment(ids[pos:]))
+        return segs
+
+    # -- fuse with verification --------------------------------------------------------
+    def fuse(self, lookup: Lookup, kv: KVCache, counter: LookupCounter,
+             observe: Observe | None = None) -> FusionReport:
+        """Run ``lookup`` and the fused prefill into ``kv``, one request at a time.
+
+        A cache that fails verification mid-read was dropped by its tier, so look up again
+        (it is recomputed and replaced), bypassing the store on the last attempt.  The
+        in-process engine and the vLLM connector's worker both prefill through here."""
+        with self.lock:
+            dropped = tier_total(self.store, "corrupt")
+            for attempt in range(ATTEMPTS):
+                counter.bypass_store = attempt == ATTEMPTS - 1
+                segments, blend = lookup(counter)
+                try:
+                    report = fused_prefill(self.decoder, segments, kv, blend, prefetch=self.prefetch)
+                except CorruptEntry:
+                    counter.corrupt += 1
+                    if counter.bypass_store:
+                        raise
+                    continue
+                if observe is not None:
+                    observe(segments, report)
+                break
+            # Damage found at open is a miss to the lookup but was counted by its tier.
+            counter.corrupt = max(counter.corrupt, tier_total(self.store, "corrupt") - dropped)
+        return report

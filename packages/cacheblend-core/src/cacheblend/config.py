@@ -1,0 +1,245 @@
+"""Every option and its default, defined once.
+
+* :class:`BlendConfig` — the HKVD selection of one fused prefill (paper §4.2);
+* :class:`SamplingConfig` — decoding;
+* :class:`RequestOptions` — what a request may set: the method, the selection and
+  decoding, validated and named the same way by the in-process
+  :class:`~cacheblend.engine.Engine`, the :class:`~cacheblend.remote.RemoteEngine`, the
+  CLI, both framework adapters and the vLLM connector;
+* :class:`EngineConfig` — settings of an engine (device, dtype, chunk sink, pipelining,
+  passage learning);
+* :class:`ConnectorConfig` — the vLLM connector's ``kv_connector_extra_config``.
+
+This module imports neither torch nor transformers, so clients of a server can use it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from .errors import CacheBlendError
+
+METHODS = ("full", "prefix", "reuse", "blend")
+DEVIATIONS = ("v", "k", "kv")
+CHUNK_SINKS = ("bos", "frame")
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """How much of the reused KV to recompute, and how to choose it.
+
+    ``recompute_ratio`` is the share of reused chunk tokens recomputed from the last check
+    layer on (the paper's r, default 15 %).  ``check_layers`` are the layers at which
+    deviation is measured (official code: layer 1).  ``deviation`` compares values
+    (``"v"``, the official choice), pre-RoPE keys (``"k"``) or both.  With ``gradual``
+    and several check layers, the first check keeps ``gradual_start`` × r (capped at 1)
+    and the kept share shrinks linearly to r at the last check layer.
+    """
+
+    recompute_ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    deviation: str = "v"
+    gradual: bool = False
+    gradual_start: float = 2.0
+
+    def __post_init__(self) -> None:
+        r = self.recompute_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= float(r) <= 1.0:
+            raise ValueError(f"recompute_ratio must be within [0, 1], got {r!r}")
+        if self.deviation not in DEVIATIONS:
+            raise ValueError(f"deviation must be one of {DEVIATIONS}, got {self.deviation!r}")
+        if isinstance(self.check_layers, (str, bytes)):
+            raise ValueError(f"check_layers must be a sequence of layer indices, got {self.check_layers!r}")
+        layers = tuple(self.check_layers)
+        if not layers:
+            raise ValueError("check_layers must name at least one layer")
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in layers):
+            raise ValueError(f"check_layers must be integers, got {layers}")
+        if any(x < 0 for x in layers) or sorted(set(layers)) != list(layers):
+            raise ValueError(f"check_layers must be distinct, ascending and >= 0, got {layers}")
+        if self.gradual_start < 1.0:
+            raise ValueError("gradual_start must be >= 1")
+        object.__setattr__(self, "check_layers", layers)
+        object.__setattr__(self, "recompute_ratio", float(r))
+
+    def validate_for(self, num_layers: int) -> None:
+        if self.check_layers[-1] >= num_layers:
+            raise ValueError(
+                f"check_layers {self.check_layers} out of range for a {num_layers}-layer model"
+            )
+
+    def keep_ratio(self, check_index: int) -> float:
+        """Share of all reused tokens still recomputed after check layer ``check_index``."""
+        r = self.recompute_ratio
+        m = len(self.check_layers)
+        if not self.gradual or m == 1:
+            return r
+        first = min(1.0, r * self.gradual_start)
+        return first + (r - first) * check_index / (m - 1)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """``temperature == 0`` is greedy; otherwise temperature and nucleus (top-p) sampling."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+
+_BLEND = BlendConfig()
+_SAMPLING = SamplingConfig()
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What one request may set besides its content.
+
+    ``method``: one of :data:`METHODS`; ``recompute_ratio``: a share, or ``"auto"`` (the
+    loading controller picks it, never below ``quality_floor``); ``check_layers``,
+    ``deviation``, ``gradual``: the HKVD selection (:class:`BlendConfig`); the rest:
+    decoding (:class:`SamplingConfig`); ``learn``: cache long unknown paragraphs of a chat
+    prompt as new chunks (:meth:`Engine.start_chat`)."""
+
+    method: str = "blend"
+    recompute_ratio: float | str = _BLEND.recompute_ratio
+    quality_floor: float = _BLEND.recompute_ratio
+    check_layers: Sequence[int] = _BLEND.check_layers
+    deviation: str = _BLEND.deviation
+    gradual: bool = _BLEND.gradual
+    max_new_tokens: int = _SAMPLING.max_new_tokens
+    temperature: float = _SAMPLING.temperature
+    top_p: float = _SAMPLING.top_p
+    stop: Sequence[str] | str = _SAMPLING.stop
+    seed: int | None = _SAMPLING.seed
+    learn: bool = True
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def check_names(cls, options: Mapping[str, Any], where: str = "") -> None:
+        """Raise the one error every entry point gives for an option it does not know."""
+        unknown = sorted(set(options) - set(cls.names()))
+        if unknown:
+            at = f"{where}: " if where else ""
+            raise CacheBlendError(f"{at}unknown options {unknown}; known: {', '.join(cls.names())}")
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any], base: RequestOptions | None = None) -> RequestOptions:
+        """``options`` over ``base`` (default: the defaults), checked now, so bad input fails
+        before any work starts."""
+        cls.check_names(options)
+        opts = replace(base or cls(), **dict(options))
+        if opts.method not in METHODS:
+            raise CacheBlendError(f"method must be one of {METHODS}, got {opts.method!r}")
+        if not isinstance(opts.learn, bool):
+            raise CacheBlendError(f"learn must be True or False, got {opts.learn!r}")
+        if isinstance(opts.recompute_ratio, str) and opts.recompute_ratio != "auto":
+            raise CacheBlendError(f"recompute_ratio must be a share within [0, 1] or 'auto', "
+                                  f"got {opts.recompute_ratio!r}")
+        opts.blend()
+        opts.sampling()
+        return opts
+
+    @property
+    def auto(self) -> bool:
+        return self.method == "blend" and self.recompute_ratio == "auto"
+
+    def blend(self, num_layers: int | None = None) -> BlendConfig:
+        """The HKVD selection (ratio 0 unless blending; ``quality_floor`` to start ``auto``)."""
+        ratio = (self.quality_floor if self.auto else self.recompute_ratio) if self.method == "blend" else 0.0
+        try:
+            if not isinstance(self.quality_floor, (int, float)) or not 0.0 <= self.quality_floor <= 1.0:
+                raise ValueError(f"quality_floor must be within [0, 1], got {self.quality_floor!r}")
+            config = BlendConfig(recompute_ratio=ratio, check_layers=self.check_layers,  # type: ignore[arg-type]
+                                 deviation=self.deviation, gradual=self.gradual)
+            if num_layers is not None:
+                config.validate_for(num_layers)
+        except (TypeError, ValueError) as e:
+            raise CacheBlendError(str(e)) from e
+        return config
+
+    def sampling(self) -> SamplingConfig:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            temperature, top_p = float(self.temperature), float(self.top_p)
+            if math.isnan(temperature) or math.isnan(top_p):
+                raise ValueError("temperature and top_p must be numbers, got NaN")
+            return SamplingConfig(self.max_new_tokens, temperature, top_p, stop, self.seed)
+        except (TypeError, ValueError) as e:
+            raise CacheBlendError(str(e)) from e
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine (not of a request).
+
+    ``chunk_sink``: the precompute policy, see :meth:`PromptBuilder.sink_ids`;
+    ``prefetch``: pipelined layer loading (off only to measure its effect);
+    ``learn_min_chars``: paragraphs at least this long in a chat prompt become chunks."""
+
+    device: str = "cpu"
+    dtype: str | None = None
+    chunk_sink: str = "bos"
+    prefetch: bool = True
+    learn_min_chars: int = 200
+
+    def __post_init__(self) -> None:
+        if self.chunk_sink not in CHUNK_SINKS:
+            raise CacheBlendError(f"chunk_sink must be one of {CHUNK_SINKS}, got {self.chunk_sink!r}")
+        if isinstance(self.learn_min_chars, bool) or not isinstance(self.learn_min_chars, int) \
+                or self.learn_min_chars < 1:
+            raise CacheBlendError(f"learn_min_chars must be a positive int, got {self.learn_min_chars!r}")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The vLLM connector's ``kv_connector_extra_config``: ``store`` (a store spec),
+    ``passages`` (a registry: JSON-lines path or ``redis://`` URL), ``stats`` (a file for
+    one JSON line per worker operation), ``min_tokens`` (shorter prompts are not searched
+    for chunks; default two KV blocks), ``chunk_sink``, and any :class:`RequestOptions`
+    field as the server's default for requests (e.g. ``recompute_ratio``)."""
+
+    store: str | None = None
+    passages: str | None = None
+    stats: str | None = None
+    min_tokens: int | None = None
+    chunk_sink: str = EngineConfig.chunk_sink
+    defaults: RequestOptions = field(default_factory=RequestOptions)
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        own = {f.name for f in fields(cls)} - {"defaults"}
+        mine = {k: extra.pop(k) for k in list(extra) if k in own}
+        try:
+            RequestOptions.check_names(extra, "kv_connector_extra_config")
+        except CacheBlendError as e:
+            raise CacheBlendError(f"{e}, {', '.join(sorted(own))}") from None
+        config = cls(**mine, defaults=RequestOptions.parse(extra))
+        if config.defaults.auto:
+            raise CacheBlendError("recompute_ratio='auto' needs the in-process Engine, not the vLLM connector")
+        return config

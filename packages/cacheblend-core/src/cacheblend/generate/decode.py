@@ -1,0 +1,48 @@
+"""The decode cache and one decode step.
+
+The fused prefill fills a :class:`KVCache` (paper §5: the fused KV replaces the regular
+prefill output); decoding then appends one token at a time to that same cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..blend.attention import AttentionPlans
+from ..models.decoder import Decoder, ModelShape, apply_rope
+
+
+class KVCache:
+    """Preallocated fused KV cache: keys *after* RoPE, ``[layers, kv_heads, capacity, hd]``.
+
+    After the fused prefill it is the engine's ordinary decode cache (paper §5: the fused
+    KV replaces the regular prefill output)."""
+
+    def __init__(self, shape: ModelShape, capacity: int, device: torch.device | str) -> None:
+        dims = (shape.num_layers, shape.num_kv_heads, capacity, shape.head_dim)
+        self.k = torch.empty(dims, dtype=shape.dtype, device=device)
+        self.v = torch.empty(dims, dtype=shape.dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+
+
+def decode_step(dec: Decoder, kv: KVCache, token_id: int) -> Tensor:
+    """Append one token at position ``kv.length`` and return next-token logits."""
+    pos = kv.length
+    if pos >= kv.capacity:
+        raise ValueError("KV cache is full")
+    device = kv.k.device
+    positions = torch.tensor([pos], device=device)
+    cos, sin = dec.rope_tables(positions)
+    h = dec.embed(torch.tensor([token_id], device=device))
+    plans = AttentionPlans(positions, dec.shape.dtype, dec.shape.groups)
+    for layer in range(dec.shape.num_layers):
+        q, k, v = dec.qkv(layer, h)
+        kv.k[layer, :, pos : pos + 1] = apply_rope(k, cos, sin)
+        kv.v[layer, :, pos : pos + 1] = v
+        plan = plans[dec.shape.windows[layer]]
+        out = plan(apply_rope(q, cos, sin), kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
+        h = dec.finish(layer, h, out)
+    kv.length = pos + 1
+    return dec.logits(h)[0]

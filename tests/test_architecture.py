@@ -1,0 +1,98 @@
+"""The boundaries between modules: one config, one backend protocol, no torch for a
+server's client, no private names reached across modules.  No model is loaded here."""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cacheblend import CacheBlendError
+from cacheblend.backend import Backend
+from cacheblend.config import ConnectorConfig, EngineConfig, RequestOptions
+from cacheblend.engine import Engine
+from cacheblend.remote import RemoteEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULTS = RequestOptions()
+
+
+def test_a_servers_client_does_not_import_torch():
+    code = ("import sys, cacheblend.remote, cacheblend.config, cacheblend.results, cacheblend.backend; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("backend", [Engine, RemoteEngine])
+def test_both_backends_implement_the_protocol(backend):
+    for name, member in inspect.getmembers(Backend):
+        if name.startswith("_") or isinstance(inspect.getattr_static(Backend, name), property):
+            continue
+        theirs = getattr(backend, name, None)
+        assert callable(theirs), f"{backend.__name__} lacks {name}"
+        wanted = [p for p in inspect.signature(member).parameters.values()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("self", "cls")]
+        have = inspect.signature(theirs).parameters
+        for p in wanted:
+            assert p.name in have, f"{backend.__name__}.{name} lacks parameter {p.name}"
+
+
+def test_adapters_expose_the_core_options_with_the_core_defaults():
+    from langchain_cacheblend import ChatCacheBlend
+    from llama_index.llms.cacheblend import CacheBlendLLM
+
+    core = DEFAULTS.as_dict()
+    core["max_tokens"] = core.pop("max_new_tokens")
+    for adapter in (ChatCacheBlend, CacheBlendLLM):
+        fields = adapter.model_fields
+        for name, value in core.items():
+            assert name in fields, f"{adapter.__name__} has no option {name}"
+            default = fields[name].get_default(call_default_factory=True)
+            if isinstance(value, (tuple, list)) or isinstance(default, (tuple, list)):
+                value, default = list(value or ()), list(default or ())
+            assert default == value, f"{adapter.__name__}.{name} defaults to {default!r}, the core to {value!r}"
+
+
+def test_one_error_names_an_unknown_option():
+    with pytest.raises(CacheBlendError, match=r"unknown options \['ratio'\]; known: method, recompute_ratio"):
+        RequestOptions.parse({"ratio": 0.2})
+    with pytest.raises(CacheBlendError, match=r"kv_connector_extra_config: unknown options \['ratio'\]"):
+        ConnectorConfig.parse({"store": "memory", "ratio": 0.2})
+    with pytest.raises(CacheBlendError, match="unknown engine setting"):
+        Engine.load("no-such-model", prefetchh=False)
+    with pytest.raises(CacheBlendError, match="chunk_sink"):
+        EngineConfig(chunk_sink="eos")
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"recompute_ratio": "most"}, "recompute_ratio"),
+    ({"recompute_ratio": 1.5}, "recompute_ratio"),
+    ({"check_layers": (1.5,)}, "integers"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"seed": "abc"}, "seed"),
+    ({"learn": "yes"}, "learn"),
+    ({"method": "fast"}, "method must be one of"),
+])
+def test_bad_option_values_fail_when_parsed(options, match):
+    with pytest.raises(CacheBlendError, match=match):
+        RequestOptions.parse(options)
+
+
+def test_connector_config_takes_request_defaults():
+    config = ConnectorConfig.parse({"store": "memory", "recompute_ratio": 0.3, "min_tokens": 8})
+    assert config.defaults.recompute_ratio == 0.3 and config.min_tokens == 8 and config.store == "memory"
+    with pytest.raises(CacheBlendError, match="auto"):
+        ConnectorConfig.parse({"recompute_ratio": "auto"})
+
+
+def test_no_module_touches_another_modules_private_names():
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    if not Path(ruff).exists():
+        pytest.skip("ruff is not installed (make install adds it)")
+    out = subprocess.run([ruff, "check", "--isolated", "--select", "SLF001", "--output-format", "concise",
+                          "packages", "tests", "examples", "benchmarks"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
