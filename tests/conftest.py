@@ -6,6 +6,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The paper's data beside the checkout (the Makefile sets CACHEBLEND_DATA to the same folder).
+_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "shared", "data")
+if os.path.isdir(_DATA):
+    os.environ.setdefault("CACHEBLEND_DATA", os.path.normpath(_DATA))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

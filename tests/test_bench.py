@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from cacheblend.bench.deviation import sparsity_profile, spearman
 from cacheblend.bench.metrics import output_f1, quality
 from cacheblend.bench.tasks import TASKS, load_task
 from cacheblend.cli import app
+from cacheblend.datasets import DataNotFoundError
 from conftest import make_tiny_model
 
 
@@ -81,3 +85,56 @@ def test_bench_rejects_bad_options(tiny_folder):
         app(["bench", "--model", str(tiny_folder), "--dataset", "squad", "--plots", ""])
     with pytest.raises(SystemExit, match="unknown methods"):
         app(["bench", "--model", str(tiny_folder), "--methods", "full,turbo", "--plots", ""])
+
+
+def test_data_directory_is_given_never_guessed(monkeypatch, tmp_path):
+    """Installed code finds the data only where it is told: ``data=`` / ``--data``, else
+    $CACHEBLEND_DATA; a missing directory or file is an error naming how to fix it."""
+    data = os.environ["CACHEBLEND_DATA"]  # the Makefile's (or conftest's) ../shared/data
+    monkeypatch.delenv("CACHEBLEND_DATA")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataNotFoundError, match="no data directory: pass --data DIR or set CACHEBLEND_DATA"):
+        load_task("musique", "dev", 1, 2)
+    with pytest.raises(DataNotFoundError, match=re.escape(str(tmp_path / "samsum.jsonl"))):
+        load_task("samsum", "dev", 1, 2, data=tmp_path)
+    with pytest.raises(FileNotFoundError, match="is not a directory"):  # a DataNotFoundError is both
+        load_task("musique", "dev", 1, 2, data=tmp_path / "nowhere")
+    _, examples = load_task("musique", "dev", 1, 2, data=data)
+    assert len(examples) == 1 and len(examples[0].passages) == 2
+    monkeypatch.setenv("CACHEBLEND_DATA", data)
+    assert load_task("musique", "dev", 1, 2)[1] == examples
+    with pytest.raises(SystemExit, match="no such data file: .*samsum.jsonl"):
+        app(["bench", "--dataset", "samsum", "--data", str(tmp_path), "--plots", ""])
+
+
+def test_bench_peer_needs_a_vllm_python(monkeypatch, tmp_path):
+    monkeypatch.delenv("CACHEBLEND_VLLM_PYTHON", raising=False)
+    with pytest.raises(SystemExit, match="pass --vllm-python PATH or set CACHEBLEND_VLLM_PYTHON"):
+        app(["bench", "--peers", "vllm", "--plots", ""])
+    with pytest.raises(SystemExit, match=f"vLLM interpreter {re.escape(str(tmp_path / 'py'))} .* does not exist"):
+        app(["bench", "--peers", "vllm", "--vllm-python", str(tmp_path / "py"), "--plots", ""])
+
+
+def test_bench_runs_the_vllm_peer_with_the_given_python(tiny_folder, tmp_path):
+    """``--peers vllm`` runs ``PYTHON -m cacheblend.bench.vllm_peer SPEC --out OUT`` with the
+    interpreter it is given (here a stand-in that answers like the peer) and merges its records."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\n" + '''import json, sys
+args = sys.argv[1:]
+assert args[:2] == ["-m", "cacheblend.bench.vllm_peer"], args
+spec = json.load(open(args[2]))
+assert all(p["ids"] and p["warm"] == p["ids"][:len(p["warm"])] for p in spec["prompts"])
+recs = [{"id": p["id"], "method": m, "ttft_s": 0.01, "first_token": -1}
+        for m in ("vllm_full", "vllm_apc") for p in spec["prompts"]]
+json.dump({"peer": "stand-in", "records": recs}, open(args[args.index("--out") + 1], "w"))
+''')
+    fake.chmod(0o755)
+    out = tmp_path / "bench.json"
+    rc = app(["bench", "--model", str(tiny_folder), "--dataset", "hotpotqa", "--limit", "1", "--chunks", "2",
+              "--methods", "full", "--peers", "vllm", "--vllm-python", str(fake), "--json", str(out), "--plots", ""])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert "peer_error" not in report
+    peers = {r["variant"]: r for r in report["records"] if r.get("peer")}
+    assert set(peers) == {"vllm_full", "vllm_apc"} and peers["vllm_full"]["peer"] == "stand-in"
+    assert peers["vllm_full"]["first_token_agreement"] == 0.0 and peers["vllm_full"]["examples"] == 1

@@ -1,6 +1,10 @@
-"""The paper's QA data sets and prompt format, read from ``../shared/data``.
+"""The paper's QA data sets and prompt format, read from a data directory.
 
-Splits (``shared/data/README.md``): tune on dev, report on test.
+The directory (the folder holding ``musique_s.json`` and the other files in
+:data:`DATA_FILES`) is given explicitly (``data=`` here, ``--data DIR`` on the command
+line) or by the environment variable ``CACHEBLEND_DATA``; nothing is guessed from where
+the package or the working directory happens to be.  Splits (the data's README): tune on
+dev, report on test.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import string
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+from .errors import CacheBlendError
 
 # The official CacheBlend example's prompt pieces for the QA sets.
 QA_PREAMBLE = (
@@ -41,24 +47,49 @@ class QAExample:
         return QA_QUERY.format(question=self.question)
 
 
-def data_dir() -> Path:
-    env = os.environ.get("CACHEBLEND_DATA")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for base in (Path.cwd(), *Path.cwd().parents, *here.parents):
-        if (base / "shared" / "data").is_dir():
-            return base / "shared" / "data"
-    raise FileNotFoundError("cannot find ../shared/data; set CACHEBLEND_DATA to its path")
+DATA_ENV = "CACHEBLEND_DATA"
+DATA_FILES = ("musique_s.json", "wikimqa_s_clean.json", "hotpotqa_dev_distractor_100.json",
+              "multi_news_longbench.jsonl", "samsum.jsonl")
 
 
-def load_qa(name: str, split: str = "dev", limit: int | None = None, passages: int | None = None) -> list[QAExample]:
+class DataNotFoundError(CacheBlendError, FileNotFoundError):
+    """No data directory was given, or it lacks a data set's file; the message says how to fix it."""
+
+
+def data_dir(data: str | os.PathLike[str] | None = None) -> Path:
+    """The data directory: ``data`` if given, else ``$CACHEBLEND_DATA``; never guessed."""
+    origin = "given as --data"
+    if data is None or str(data) == "":
+        data, origin = os.environ.get(DATA_ENV) or None, f"from ${DATA_ENV}"
+    if data is None:
+        raise DataNotFoundError(
+            f"no data directory: pass --data DIR or set {DATA_ENV} "
+            f"(the folder holding {', '.join(DATA_FILES[:2])} ...)")
+    path = Path(data).expanduser()
+    if not path.is_dir():
+        raise DataNotFoundError(f"data directory {path} ({origin}) is not a directory")
+    return path
+
+
+def data_file(name: str, data: str | os.PathLike[str] | None = None) -> Path:
+    """One file of the data directory, with an error naming its full path if it is missing."""
+    folder = data_dir(data)
+    path = folder / name
+    if not path.is_file():
+        raise DataNotFoundError(f"no such data file: {path} (the data directory {folder} lacks {name})")
+    return path
+
+
+def load_qa(name: str, split: str = "dev", limit: int | None = None, passages: int | None = None,
+            data: str | os.PathLike[str] | None = None) -> list[QAExample]:
+    """``limit`` examples of ``split``, each with (at most) ``passages`` passages; ``data``
+    is the data directory (default: ``$CACHEBLEND_DATA``)."""
     if name not in SPLITS:
         raise ValueError(f"unknown QA data set {name!r}; known: {sorted(SPLITS)}")
     if split not in ("dev", "test"):
         raise ValueError("split must be 'dev' or 'test'")
     file, dev, test = SPLITS[name]
-    rows = json.loads((data_dir() / file).read_text())
+    rows = json.loads(data_file(file, data).read_text())
     out = []
     for i in dev if split == "dev" else test:
         row = rows[i]

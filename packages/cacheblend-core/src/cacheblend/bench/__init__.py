@@ -1,2 +1,3 @@
 """``cacheblend bench``: the paper's evaluation (TTFT and quality per method, recompute
-ratio and number of chunks; KV-deviation sparsity) on the data sets in ../shared/data."""
+ratio and number of chunks; KV-deviation sparsity) on the paper's data sets
+(a data directory given by ``--data DIR`` or ``$CACHEBLEND_DATA``)."""

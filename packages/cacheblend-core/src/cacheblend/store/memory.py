@@ -23,6 +23,11 @@ class MemoryStore:
     def __len__(self) -> int:
         return len(self._items)
 
+    def keys(self) -> list[str]:
+        """The stored keys, least recently used first."""
+        with self._lock:
+            return list(self._items)
+
     def __contains__(self, key: str) -> bool:
         return key in self._items
 

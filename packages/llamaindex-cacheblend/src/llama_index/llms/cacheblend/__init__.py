@@ -7,8 +7,9 @@ retrieved chunks with selective recompute.
 - :class:`CacheBlendKVTransform`: precompute node caches in an ``IngestionPipeline``.
 """
 
+from ._version import __version__
 from .base import CacheBlendLLM
 from .ingestion import CacheBlendKVTransform
 from .synthesizer import CacheBlendSynthesizer, cacheblend_query_engine
 
-__all__ = ["CacheBlendKVTransform", "CacheBlendLLM", "CacheBlendSynthesizer", "cacheblend_query_engine"]
+__all__ = ["CacheBlendKVTransform", "CacheBlendLLM", "CacheBlendSynthesizer", "__version__", "cacheblend_query_engine"]
