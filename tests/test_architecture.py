@@ -45,9 +45,10 @@ def test_adapters_expose_the_core_options_with_the_core_defaults():
     from langchain_cacheblend import ChatCacheBlend
     from llama_index.llms.cacheblend import CacheBlendLLM
 
-    core = DEFAULTS.as_dict()
-    core["max_tokens"] = core.pop("max_new_tokens")
-    for adapter in (ChatCacheBlend, CacheBlendLLM):
+    for adapter, timeout in ((ChatCacheBlend, "timeout"), (CacheBlendLLM, "request_timeout")):
+        core = DEFAULTS.as_dict()  # under the frameworks' own names for two of them
+        core["max_tokens"] = core.pop("max_new_tokens")
+        core[timeout] = core.pop("timeout")
         fields = adapter.model_fields
         for name, value in core.items():
             assert name in fields, f"{adapter.__name__} has no option {name}"
@@ -96,3 +97,18 @@ def test_no_module_touches_another_modules_private_names():
     out = subprocess.run([ruff, "check", "--isolated", "--select", "SLF001", "--output-format", "concise",
                           "packages", "tests", "examples", "benchmarks"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
+
+
+def test_adapters_refuse_unknown_constructor_arguments():
+    from langchain_cacheblend import ChatCacheBlend
+    from llama_index.llms.cacheblend import CacheBlendLLM
+    from pydantic import ValidationError
+
+    for bad in ({"max_token": 3}, {"num_predict": 3}, {"model_kwargs": {"top_k": 3}}):
+        with pytest.raises(ValidationError, match="max_token|num_predict|top_k"):
+            ChatCacheBlend(**bad)
+    assert ChatCacheBlend(model_kwargs={"gradual": True}).model_kwargs == {"gradual": True}
+    with pytest.raises(ValidationError, match="contxt_window"):
+        CacheBlendLLM(engine=object(), contxt_window=1024)
+    with pytest.raises(ValidationError, match="top_k"):
+        CacheBlendLLM(engine=object(), additional_kwargs={"top_k": 3})

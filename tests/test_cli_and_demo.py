@@ -79,5 +79,45 @@ def test_store_commands(tmp_path):
     assert "verify disk" in verify.stderr  # the progress bar
     os.utime(bad.parent / ".tmp-left-by-a-killed-writer", (0, 0))
     assert json.loads(_cli("store", "gc", "--store", spec).stdout)[0]["temp_files_removed"] == 1
-    _cli("store", "clear", "--store", spec)
+    refused = _cli("store", "clear", "--store", spec)  # no terminal to ask: nothing is deleted
+    assert refused.returncode == 1 and "--yes" in refused.stderr
+    assert json.loads(_cli("store", "stats", "--store", spec).stdout)[0]["entries"] == 2
+    _cli("store", "clear", "--store", spec, "--yes")
     assert json.loads(_cli("store", "stats", "--store", spec).stdout)[0]["entries"] == 0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["ask", "q?", "--model", "/no/such/model"], "model '/no/such/model' not found"),
+    (["ask", "q?", "--store", "bogus:1"], "unknown store tier 'bogus:1'"),
+    (["ingest", "/no/such/file.txt", "--store", "memory"], "no such file"),
+    (["ask", "q?", "--ratio", "most"], "must be a number within [0, 1] or 'auto'"),
+])
+def test_bad_arguments_are_one_line_errors(args, says):
+    out = _cli(*args)
+    assert out.returncode == 2 and says in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 3  # argparse: usage + error
+
+
+def test_version_and_debug():
+    from cacheblend import __version__
+
+    assert _cli("--version").stdout.strip() == f"cacheblend {__version__}"
+    out = _cli("--debug", "ask", "q?", "--model", "/no/such/model")
+    assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+def test_ask_options_and_ingest_says_what_it_stored(tmp_path, default_model_dir):
+    model = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    chunk = tmp_path / "c.txt"
+    chunk.write_text(PASSAGES[0])
+    store = f"disk:{tmp_path / 'kv'}"
+    first = _cli("ingest", str(chunk), "--model", str(model), "--store", store)
+    again = _cli("ingest", str(chunk), "--model", str(model), "--store", store)
+    assert json.loads(first.stdout)["stored"] is True and json.loads(again.stdout)["stored"] is False
+    assert "Loading weights" not in first.stderr  # transformers' load bar is silenced
+    ask = _cli("ask", "Where?", "--chunks", str(chunk), "--model", str(model), "--store", store, "--ratio", "auto",
+               "--seed", "3", "--temperature", "0.7", "--stop", "zzz", "--preamble", "Read this.",
+               "--max-new-tokens", "3")
+    assert ask.returncode == 0, ask.stderr
+    stats = json.loads(ask.stderr.strip().splitlines()[-1])
+    assert stats["controller"] is not None and stats["store_hits"] == 1

@@ -77,3 +77,21 @@ def test_evicted_chunk_is_recomputed_not_failed(engine):
     r = engine.generate(QUERY, [h], max_new_tokens=2)
     assert r.stats.store_misses >= 1
     assert engine.store.get(h.key) is not None
+
+
+def test_timeout_interrupts_the_fused_prefill_between_layers(engine, monkeypatch):
+    import re
+    import time
+
+    handles = engine.ingest(PASSAGES[:2])
+    before = engine.generate(QUERY, handles, max_new_tokens=4)
+    finish = engine.decoder.finish
+    monkeypatch.setattr(engine.decoder, "finish", lambda *a: (time.sleep(0.05), finish(*a))[1])  # a slow model
+    with pytest.raises(TimeoutError, match=r"fused prefill, before layer \d+") as caught:
+        engine.generate(QUERY, handles, max_new_tokens=4, timeout=0.12)
+    assert int(re.search(r"layer (\d+)", str(caught.value)).group(1)) > 0  # stopped mid-prefill, not before it
+    monkeypatch.setattr(engine.decoder, "finish", finish)
+    after = engine.generate(QUERY, handles, max_new_tokens=4)  # the engine and store are as they were
+    assert after.token_ids == before.token_ids and after.stats.store_hits == before.stats.store_hits
+    with pytest.raises(CacheBlendError, match="timeout"):
+        engine.generate(QUERY, timeout=-1)

@@ -213,3 +213,49 @@ def test_langchain_example_runs_end_to_end():
     assert report["ttft_full_s"] > 0 and report["ttft_blend_s"] > 0
     assert 0 < report["reused_tokens"] < report["prompt_tokens"]
     assert "Answer (CacheBlend):" in proc.stdout and "TTFT: CacheBlend" in proc.stdout
+
+
+def test_one_model_name_round_trips():
+    from langchain_core.callbacks import BaseCallbackHandler, UsageMetadataCallbackHandler
+
+    class Traced(BaseCallbackHandler):
+        names: list[str] = []
+
+        def on_chat_model_start(self, serialized, messages, *, metadata=None, **kwargs):
+            self.names.append((metadata or {}).get("ls_model_name"))
+
+    llm = ChatCacheBlend(store="memory", max_tokens=2)
+    name = llm.model_name
+    usage, traced = UsageMetadataCallbackHandler(), Traced()
+    reply = llm.invoke("Hi", config={"callbacks": [usage, traced]})
+    assert reply.response_metadata["model_name"] == name == traced.names[0]
+    assert list(usage.usage_metadata) == [name]
+    again = ChatCacheBlend(model=name, store="memory", max_tokens=2)  # the reported name loads the same model
+    assert again.model_name == name and again.get_engine().fingerprint == llm.get_engine().fingerprint
+    assert llm.invoke("Hi", model=name).content == reply.content
+    with pytest.raises(ValueError, match="one object per model"):
+        llm.invoke("Hi", model="gpt-4o")
+
+
+def test_tools_structured_output_and_json_mode_are_refused_clearly(llm):
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        text: str
+
+    with pytest.raises(NotImplementedError, match="does not call tools"):
+        llm.bind_tools([Answer])
+    with pytest.raises(NotImplementedError, match="no structured-output"):
+        llm.with_structured_output(Answer)
+    with pytest.raises(ValueError, match="no JSON mode"):
+        llm.invoke("hi", response_format={"type": "json_object"})
+
+
+def test_timeout_reaches_the_prefill(llm, example, monkeypatch):
+    import time
+
+    engine = llm.get_engine()
+    finish = engine.decoder.finish
+    monkeypatch.setattr(engine.decoder, "finish", lambda *a: (time.sleep(0.05), finish(*a))[1])
+    with pytest.raises(TimeoutError, match="fused prefill"):
+        ChatCacheBlend(engine=engine, timeout=0.3, max_tokens=4).invoke("Q?", documents=example[0].passages[:1])

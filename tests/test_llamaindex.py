@@ -292,3 +292,35 @@ def test_example_answers_with_sources_and_ttft():
     assert "[ full] TTFT" in text and "[blend] TTFT" in text and "faster than full prefill" in text
     blend = next(line for line in text.splitlines() if line.startswith("[blend]"))
     assert " 0 reused" not in blend
+
+
+def test_window_timeout_and_function_calling_are_not_silent(engine, monkeypatch):
+    import time
+
+    small = CacheBlendLLM(engine=engine, context_window=1024, max_tokens=4)
+    assert small.metadata.context_window == 1024 and not small.metadata.is_function_calling_model
+    assert CacheBlendLLM(engine=engine, context_window=10**9).metadata.context_window == engine.context_length
+    assert small.metadata.model_name == engine.model_name
+    with pytest.raises(NotImplementedError, match="does not call tools"):
+        small.predict_and_call([], user_msg="hi")
+    finish = engine.decoder.finish
+    monkeypatch.setattr(engine.decoder, "finish", lambda *a: (time.sleep(0.05), finish(*a))[1])
+    with pytest.raises(TimeoutError, match="fused prefill"):
+        CacheBlendLLM(engine=engine, request_timeout=0.3, max_tokens=4).complete(FACTS[0] + "\n\n" + QUESTION)
+    monkeypatch.setattr(engine.decoder, "finish", finish)
+    done = CacheBlendLLM(engine=engine, additional_kwargs={"recompute_ratio": 1.0}, max_tokens=4).complete("Hi")
+    assert done.raw["cacheblend"]["recompute_ratio"] == 1.0
+
+
+def test_synthesizer_prompt_is_customisable(llm, nodes):
+    from llama_index.core.prompts import PromptTemplate
+
+    synth = CacheBlendSynthesizer(llm=llm)
+    assert synth.get_prompts()["query_template"].get_template() == "{query_str}"
+    synth.update_prompts({"query_template": PromptTemplate("Question: {query_str}\nAnswer:")})
+    assert synth.query_template == "Question: {query_str}\nAnswer:"
+    assert synth.synthesize(QUESTION, [NodeWithScore(node=n, score=1.0) for n in nodes]).response.strip()
+    with pytest.raises(CacheBlendError, match="one prompt, 'query_template'"):
+        synth.update_prompts({"text_qa_template": PromptTemplate("{context_str} {query_str}")})
+    with pytest.raises(CacheBlendError, match="query_str"):
+        synth.update_prompts({"query_template": "no placeholder"})

@@ -13,8 +13,9 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
+from ._version import __version__
 from .config import METHODS, RequestOptions
 
 if TYPE_CHECKING:
@@ -23,8 +24,18 @@ if TYPE_CHECKING:
 DEFAULTS = RequestOptions()
 
 
-def _engine(args: argparse.Namespace) -> Engine:
+def _quiet() -> None:
+    """No model-loading bars or warnings from transformers on a command line."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _engine(args: argparse.Namespace) -> Engine:
+    _quiet()
     from .engine import Engine
 
     return Engine.load(args.model, store=args.store)
@@ -34,11 +45,11 @@ def _read_chunks(files: list[Path], split: str | None) -> list[str]:
     texts = []
     for f in files:
         if not f.is_file():
-            raise SystemExit(f"cacheblend: no such file: {f}")
+            raise FileNotFoundError(f"no such file: {f}")
         parts = f.read_text(encoding="utf-8")
         texts += [p.strip() for p in (parts.split(split) if split else [parts]) if p.strip()]
     if not texts:
-        raise SystemExit("cacheblend: the chunk files hold no text")
+        raise ValueError("the chunk files hold no text")
     return texts
 
 
@@ -59,17 +70,11 @@ def cmd_ingest(args) -> int:
 
 
 def cmd_ask(args) -> int:
-    from .errors import CacheBlendError
-
     texts = _read_chunks(args.chunks, _split(args.split)) if args.chunks else []
     engine = _engine(args)
-    try:
-        run = engine.start(args.question, texts, method=args.method, recompute_ratio=args.ratio,
-                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           system=args.system)
-    except CacheBlendError as e:
-        print(f"cacheblend: error: {e}", file=sys.stderr)
-        return 2
+    run = engine.start(args.question, texts, method=args.method, recompute_ratio=args.ratio,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, system=args.system,
+                       preamble=args.preamble, seed=args.seed, stop=tuple(args.stop), timeout=args.timeout)
     for piece in run.pieces:
         print(piece, end="", flush=True)
     print()
@@ -99,10 +104,19 @@ def cmd_store(args) -> int:
             if hasattr(tier, "gc"):
                 out.append({"tier": name} | tier.gc())
         elif args.action == "clear":
+            if not (args.yes or _confirm(f"delete every entry of the {name} tier?")):
+                print("cacheblend: nothing deleted (pass --yes to clear without asking)", file=sys.stderr)
+                return 1
             tier.clear()
             out.append({"tier": name, "cleared": True})
     print(json.dumps(out, indent=2))
     return 0
+
+
+def _confirm(question: str) -> bool:
+    if not sys.stdin.isatty():
+        return False
+    return input(f"cacheblend: {question} [y/N] ").strip().lower() in ("y", "yes")
 
 
 def _default_store(spec: str | None) -> str:
@@ -124,8 +138,17 @@ def _ratio(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"must be a number within [0, 1] or 'auto', got {text!r}") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported in one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="cacheblend", description="CacheBlend: fast RAG prefill with reused chunk KV.")
+    ap = _Parser(prog="cacheblend", description="CacheBlend: fast RAG prefill with reused chunk KV.")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = ap.add_subparsers(dest="command", required=True)
 
     def common(p):
@@ -147,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     p.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
     p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--preamble", default="", help="text before the chunks in the user turn")
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed for sampling (with --temperature > 0)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="end the answer here (repeatable)")
+    p.add_argument("--timeout", type=float, default=DEFAULTS.timeout, help="seconds the answer may take")
     p.add_argument("--no-stats", dest="stats", action="store_false", help="do not print stats JSON on stderr")
     common(p)
     p.set_defaults(func=cmd_ask)
@@ -154,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("store", help="inspect and maintain the KV store")
     p.add_argument("action", choices=["stats", "verify", "gc", "clear"])
     p.add_argument("--store", default=None, help="store spec (default: the disk tier under the cache dir)")
+    p.add_argument("--yes", action="store_true", help="clear without asking")
     p.set_defaults(func=cmd_store)
 
     from .bench.command import add_parser as add_bench  # light: heavy imports happen when it runs
@@ -163,8 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def app(argv: list[str] | None = None) -> int:
+    """Run a command; bad input of any kind is one line on stderr and exit code 2
+    (``--debug`` shows the traceback instead)."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError, TimeoutError, ImportError) as e:  # CacheBlendError is a ValueError
+        if args.debug:
+            raise
+        print(f"cacheblend: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cacheblend: interrupted", file=sys.stderr)
+        return 130
 
 
 def main() -> None:

@@ -117,7 +117,9 @@ class RequestOptions:
     loading controller picks it, never below ``quality_floor``); ``check_layers``,
     ``deviation``, ``gradual``: the HKVD selection (:class:`BlendConfig`); the rest:
     decoding (:class:`SamplingConfig`); ``learn``: cache long unknown paragraphs of a chat
-    prompt as new chunks (:meth:`Engine.start_chat`)."""
+    prompt as new chunks (:meth:`Engine.start_chat`); ``timeout``: seconds the whole request
+    may take, checked between the layers of the fused prefill and between decoded tokens
+    (``TimeoutError``; None: no limit)."""
 
     method: str = "blend"
     recompute_ratio: float | str = _BLEND.recompute_ratio
@@ -131,6 +133,7 @@ class RequestOptions:
     stop: Sequence[str] | str = _SAMPLING.stop
     seed: int | None = _SAMPLING.seed
     learn: bool = True
+    timeout: float | None = None
 
     @classmethod
     def names(cls) -> list[str]:
@@ -152,6 +155,9 @@ class RequestOptions:
         opts = replace(base or cls(), **dict(options))
         if opts.method not in METHODS:
             raise CacheBlendError(f"method must be one of {METHODS}, got {opts.method!r}")
+        if opts.timeout is not None and (isinstance(opts.timeout, bool) or not isinstance(opts.timeout, (int, float))
+                                         or not opts.timeout > 0):
+            raise CacheBlendError(f"timeout must be a positive number of seconds or None, got {opts.timeout!r}")
         if not isinstance(opts.learn, bool):
             raise CacheBlendError(f"learn must be True or False, got {opts.learn!r}")
         if isinstance(opts.recompute_ratio, str) and opts.recompute_ratio != "auto":

@@ -52,7 +52,6 @@ class Engine:
         self.fingerprint: str = loaded.fingerprint
         self.tokenizer = loaded.tokenizer
         self.decoder = Decoder(loaded.model)
-        self.store = store
         self.device = torch.device(self.config.device)
         self.controller = LoadingController()
         self.prompts = PromptBuilder(self.tokenizer)
@@ -93,6 +92,15 @@ class Engine:
             if engine is None:
                 engine = _SHARED[key] = cls.load(model, store=store, **settings)
         return engine
+
+    @property
+    def store(self) -> Tier:
+        """The KV store the chunk caches live in (assigning one switches the engine to it)."""
+        return self.chunks.store
+
+    @store.setter
+    def store(self, store: Tier) -> None:
+        self.chunks.store = store
 
     @property
     def context_length(self) -> int:

@@ -40,10 +40,12 @@ _SHARED_LOCK = threading.Lock()
 class RemoteGeneration:
     """One streamed answer: iterate ``pieces`` for text, then read ``result``."""
 
-    def __init__(self, stream_fn, stats: BlendStats, t0: float) -> None:
+    def __init__(self, stream_fn: Callable[[], Any], stats: BlendStats, t0: float,
+                 timeout: float | None = None) -> None:
         self.stats = stats
         self.result: Result | None = None
         self._t0 = t0
+        self._deadline = None if timeout is None else t0 + timeout
         self.pieces: Generator[str, None, None] = self._pieces(stream_fn)
 
     def _pieces(self, stream_fn: Callable[[], Any]) -> Generator[str, None, None]:
@@ -51,6 +53,8 @@ class RemoteGeneration:
         stream = stream_fn()
         try:
             for chunk in stream:
+                if self._deadline is not None and time.perf_counter() > self._deadline:
+                    raise TimeoutError("the request's timeout ran out while the server answered")
                 if chunk.usage is not None:
                     usage = chunk.usage
                 for choice in chunk.choices:
@@ -278,6 +282,7 @@ class RemoteEngine:
                 model=self.model_name, prompt=ids, max_tokens=sampling.max_new_tokens,
                 temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
                 stop=list(sampling.stop) or None, stream=True,
-                stream_options={"include_usage": True}, extra_body={"kv_transfer_params": params})
+                stream_options={"include_usage": True}, extra_body={"kv_transfer_params": params},
+                **({"timeout": opts.timeout} if opts.timeout is not None else {}))
 
-        return RemoteGeneration(stream, stats, t0)
+        return RemoteGeneration(stream, stats, t0, opts.timeout)

@@ -19,12 +19,13 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, SecretStr
+from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from cacheblend import Engine, Result
 from cacheblend.aio import iterate_in_thread, run_in_thread
 from cacheblend.backend import Backend, GenerationRun
 from cacheblend.config import RequestOptions
+from cacheblend.models.names import DEFAULT_MODEL_NAMES
 from cacheblend.remote import RemoteEngine
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -48,7 +49,7 @@ class ChatCacheBlend(BaseChatModel):
     tokens served from caches) and ``response_metadata["cacheblend"]`` (TTFT and stats).
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True, extra="forbid")
 
     model: str | None = Field(default=None, alias="model_name")
     """HF folder or ``.gguf`` file; None for the default model."""
@@ -80,6 +81,8 @@ class ChatCacheBlend(BaseChatModel):
     gradual: bool = _D.gradual
     learn: bool = Field(default=_D.learn, validation_alias=AliasChoices("learn", "learn_passages"))
     """Cache long paragraphs of the prompt that are not known passages yet (also ``learn_passages``)."""
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Further core request options (:class:`cacheblend.config.RequestOptions`), checked here."""
 
     engine: Backend | None = Field(default=None, exclude=True)
     """A backend (``Engine`` or ``RemoteEngine``) to use instead of the shared one for ``model``/``store``."""
@@ -100,14 +103,43 @@ class ChatCacheBlend(BaseChatModel):
         return self.model or DEFAULT_MODEL_NAME
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider="cacheblend", ls_model_type="chat",
-                                 ls_model_name=kwargs.get("model") or self.model_label,
+        params = LangSmithParams(ls_provider="cacheblend", ls_model_type="chat", ls_model_name=self.model_name,
                                  ls_temperature=kwargs.get("temperature", self.temperature))
         if (max_tokens := kwargs.get("max_tokens", self.max_tokens)) is not None:
             params["ls_max_tokens"] = max_tokens
         if stop := stop or self.stop:
             params["ls_stop"] = stop
         return params
+
+    @model_validator(mode="after")
+    def _known_model_kwargs(self) -> ChatCacheBlend:
+        RequestOptions.check_names(self.model_kwargs, "ChatCacheBlend(model_kwargs=...)")
+        RequestOptions.parse(self.model_kwargs)
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The model's one name: what ``model=`` was given, else the name the loaded default
+        reports (``ChatCacheBlend(model=llm.model_name)`` loads the same model)."""
+        return self.model or self.get_engine().model_name
+
+    def _same_model(self, name: Any) -> bool:
+        if name is None or name == self.model_name:
+            return True
+        default = self.model is None and str(name).lower() in DEFAULT_MODEL_NAMES
+        return default or (self.model is not None and str(name).lower() == self.model.lower())
+
+    # -- what CacheBlend does not do: say so, and what to use instead ----------------------
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "ChatCacheBlend does not call tools: CacheBlend speeds up the prefill of RAG answers, and its "
+            "models are not tool-calling models. Use a tool-calling chat model for the agent's tool steps and "
+            "ChatCacheBlend for the answer over retrieved documents.")
+
+    def with_structured_output(self, schema: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "ChatCacheBlend has no structured-output (tool or JSON) mode. Ask for the format in the prompt and "
+            "parse the text (e.g. `llm | JsonOutputParser()` or `PydanticOutputParser`).")
 
     @property
     def learn_passages(self) -> bool:
@@ -140,18 +172,24 @@ class ChatCacheBlend(BaseChatModel):
         kwargs = dict(kwargs)
         documents = _texts(kwargs.pop("documents", None) or ())
         max_tokens = kwargs.pop("max_tokens", self.max_tokens)
-        kwargs.pop("model", None)  # one engine per model; per-call overrides are reported only
+        model = kwargs.pop("model", None)
+        if not self._same_model(model):
+            raise ValueError(f"ChatCacheBlend serves {self.model_name!r}, not {model!r}: one object per model; "
+                             f"build ChatCacheBlend(model={model!r}) for another")
+        for name in ("response_format", "format"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"ChatCacheBlend has no JSON mode ({name}=...): ask for JSON in the prompt and "
+                                 "parse the text (JsonOutputParser)")
         if "learn_passages" in kwargs:
             kwargs["learn"] = kwargs.pop("learn_passages")
         for name in list(kwargs):
             if name.startswith("ls_") or kwargs[name] is None:
                 kwargs.pop(name)
         RequestOptions.check_names(kwargs, "ChatCacheBlend")
-        options: dict[str, Any] = {name: getattr(self, name) for name in _FIELD_OPTIONS} | kwargs
-        return self.get_engine().start_chat(
-            _messages(messages), documents, stop=tuple(stop or self.stop or ()),
-            max_new_tokens=max_tokens if max_tokens is not None else _D.max_new_tokens, **options,
-        )
+        options: dict[str, Any] = {name: getattr(self, name) for name in _FIELD_OPTIONS}
+        options["stop"] = tuple(stop or self.stop or ())
+        options["max_new_tokens"] = max_tokens if max_tokens is not None else _D.max_new_tokens
+        return self.get_engine().start_chat(_messages(messages), documents, **(options | self.model_kwargs | kwargs))
 
     def _attempts(self) -> int:
         return 1 + max(0, self.max_retries)
@@ -239,7 +277,7 @@ class ChatCacheBlend(BaseChatModel):
                 total_tokens=usage["total_tokens"], input_token_details={"cache_read": usage["cached_tokens"]},
                 output_token_details={},
             ),
-            "response_metadata": {"model_name": self.get_engine().model_name or self.model_label,
+            "response_metadata": {"model_name": self.model_name,
                                   "model_provider": "cacheblend", "finish_reason": result.finish_reason,
                                   "ttft_s": result.ttft_s, "cacheblend": result.metadata()},
         }

@@ -32,7 +32,7 @@ from .attention import AttentionPlans
 from .loader import LayerLoader
 from .selection import BlendConfig, kv_deviation, select_hkvd
 
-__all__ = ["Capture", "FusionReport", "KVCache", "Segment", "fused_prefill"]
+__all__ = ["Capture", "FusionReport", "KVCache", "Segment", "check_deadline", "fused_prefill"]
 
 # capture(layer, positions, keys_before_rope, values): used by chunk precompute.
 Capture = Callable[[int, Tensor, Tensor, Tensor], None]
@@ -120,11 +120,13 @@ def fused_prefill(
     config: BlendConfig,
     capture: Capture | None = None,
     prefetch: bool = True,
+    deadline: float | None = None,
 ) -> FusionReport:
     """Fill ``kv`` for the prompt ``segments`` and return the last position's logits.
 
     Reused caches are read layer by layer (the next layer is fetched while this one is
-    fused when ``prefetch``); a source that fails verification raises ``CorruptEntry``."""
+    fused when ``prefetch``); a source that fails verification raises ``CorruptEntry``.
+    Past ``deadline`` (a ``time.perf_counter()`` value) the next layer raises ``TimeoutError``."""
     shape = dec.shape
     config.validate_for(shape.num_layers)
     lay = _layout(segments, kv.capacity, kv.k.device)
@@ -141,6 +143,7 @@ def fused_prefill(
     t_start = time.perf_counter()
     try:
         for layer in range(shape.num_layers):
+            check_deadline(deadline, f"the fused prefill, before layer {layer}")
             cached = loader.layer(layer)
             for (a, b, _), (ck, cv) in zip(reused_spans, cached, strict=True):  # re-positioning: RoPE at real offsets
                 kv.k[layer, :, a:b] = apply_rope(ck, cos[a:b], sin[a:b])
@@ -173,6 +176,12 @@ def fused_prefill(
         active_per_layer=active_per_layer, load_s=loader.load_s, load_exposed_s=loader.exposed_s,
         compute_s=time.perf_counter() - t_start - loader.exposed_s,
     )
+
+
+def check_deadline(deadline: float | None, where: str) -> None:
+    """Raise ``TimeoutError`` once ``deadline`` (``time.perf_counter()`` seconds) has passed."""
+    if deadline is not None and time.perf_counter() > deadline:
+        raise TimeoutError(f"the request's timeout ran out during {where}")
 
 
 def _write(kv: KVCache, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:

@@ -224,19 +224,22 @@ class ChunkCache:
 
     # -- fuse with verification --------------------------------------------------------
     def fuse(self, lookup: Lookup, kv: KVCache, counter: LookupCounter,
-             observe: Observe | None = None) -> FusionReport:
+             observe: Observe | None = None, deadline: float | None = None) -> FusionReport:
         """Run ``lookup`` and the fused prefill into ``kv``, one request at a time.
 
         A cache that fails verification mid-read was dropped by its tier, so look up again
         (it is recomputed and replaced), bypassing the store on the last attempt.  The
-        in-process engine and the vLLM connector's worker both prefill through here."""
+        in-process engine and the vLLM connector's worker both prefill through here.  Past
+        ``deadline`` the prefill stops between layers with ``TimeoutError``: the request's own
+        KV cache is dropped, and every store entry was written whole before it began."""
         with self.lock:
             dropped = tier_total(self.store, "corrupt")
             for attempt in range(ATTEMPTS):
                 counter.bypass_store = attempt == ATTEMPTS - 1
                 segments, blend = lookup(counter)
                 try:
-                    report = fused_prefill(self.decoder, segments, kv, blend, prefetch=self.prefetch)
+                    report = fused_prefill(self.decoder, segments, kv, blend, prefetch=self.prefetch,
+                                           deadline=deadline)
                 except CorruptEntry:
                     counter.corrupt += 1
                     if counter.bypass_store:

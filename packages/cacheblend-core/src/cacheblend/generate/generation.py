@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..blend.fusor import FusionReport, Segment
+from ..blend.fusor import FusionReport, Segment, check_deadline
 from ..cache.chunks import LookupCounter
 from ..config import BlendConfig, RequestOptions
 from ..prompt import PromptIds
@@ -61,6 +61,7 @@ class Generation:
         self.stats = BlendStats(method=opts.method, recompute_ratio=self.blend.recompute_ratio,
                                 chunks=len(request.handles))
         self.stats.seconds["tokenize"] = time.perf_counter() - request.t0
+        self.deadline = None if opts.timeout is None else request.t0 + opts.timeout
         self.result: Result | None = None
         self.pieces: Generator[str, None, None] = self._pieces()
 
@@ -106,7 +107,7 @@ class Generation:
                 self._control(segments)
             return segments, self.blend
 
-        return cache.fuse(lookup, kv, counter, observe=self._observe)
+        return cache.fuse(lookup, kv, counter, observe=self._observe, deadline=self.deadline)
 
     def _record_prefill(self, report: FusionReport, counter: LookupCounter, prefill_start: float) -> None:
         s = self.stats
@@ -148,6 +149,7 @@ class Generation:
                 yield piece
             if text.stopped or len(tokens) >= budget:
                 break
+            check_deadline(self.deadline, f"decoding, after {len(tokens)} tokens")
             with torch.inference_mode():
                 token = sampler(decode_step(eng.decoder, kv, token))
         if token in eng.eos_ids or text.stopped:

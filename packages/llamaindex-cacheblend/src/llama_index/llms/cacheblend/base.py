@@ -25,7 +25,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
@@ -43,8 +43,9 @@ _ROLES = {
     MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
 }
 _D = RequestOptions()  # the core's defaults: the same options, names and defaults as every entry point
-# Request options that are fields here under the core's own name (max_tokens is LlamaIndex's name).
-_FIELD_OPTIONS = [n for n in RequestOptions.names() if n != "max_new_tokens"]
+# Request options that are fields here under the core's own name; LlamaIndex names two of them
+# its own way: max_tokens (max_new_tokens) and request_timeout (timeout).
+_FIELD_OPTIONS = [n for n in RequestOptions.names() if n not in ("max_new_tokens", "timeout")]
 
 
 def raw_of(result: Result) -> dict[str, Any]:
@@ -105,7 +106,14 @@ class CacheBlendLLM(CustomLLM):
     base_url: str | None = Field(default=None, description="An OpenAI-compatible vLLM server with the CacheBlend "
                                                            "connector to answer instead of the in-process engine.")
     api_key: str | None = Field(default=None, description="The server's API key, with base_url.")
+    context_window: int | None = Field(default=None, gt=0, description="Tokens a prompt may fill (None: the "
+                                                                        "model's context; capped by it).")
+    request_timeout: float | None = Field(default=_D.timeout, gt=0, description="Seconds a call may take, "
+                                          "checked between prefill layers and decoded tokens.")
+    additional_kwargs: dict[str, Any] = Field(default_factory=dict, description="Further core request options "
+                                              "(cacheblend.config.RequestOptions), checked when set.")
 
+    model_config = ConfigDict(extra="forbid")
     _engine: Backend = PrivateAttr()
 
     def __init__(self, engine: Backend | None = None, **data: Any) -> None:
@@ -126,6 +134,13 @@ class CacheBlendLLM(CustomLLM):
             raise ValueError(f"method must be one of {METHODS}, got {v!r}")
         return v
 
+    @field_validator("additional_kwargs")
+    @classmethod
+    def _known_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        RequestOptions.check_names(v, "CacheBlendLLM(additional_kwargs=...)")
+        RequestOptions.parse(v)
+        return v
+
     @classmethod
     def class_name(cls) -> str:
         return "CacheBlendLLM"
@@ -136,8 +151,27 @@ class CacheBlendLLM(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        return LLMMetadata(context_window=self._engine.context_length, num_output=self.max_tokens,
-                           model_name=self._engine.model_name, is_chat_model=True)
+        window = min(self.context_window or self._engine.context_length, self._engine.context_length)
+        return LLMMetadata(context_window=window, num_output=self.max_tokens, model_name=self.model_name,
+                           is_chat_model=True, is_function_calling_model=False)
+
+    @property
+    def model_name(self) -> str:
+        """The model's one name: what ``model=`` was given, else the name the loaded default reports."""
+        return self.model or self._engine.model_name
+
+    # -- what CacheBlend does not do: say so, and what to use instead ----------------------
+    def _no_tools(self) -> NotImplementedError:
+        return NotImplementedError(
+            "CacheBlendLLM does not call tools (is_function_calling_model=False): CacheBlend speeds up the "
+            "prefill of RAG answers. Use a function-calling LLM for agents and tool steps, and CacheBlendLLM "
+            "for the answer over retrieved nodes.")
+
+    def predict_and_call(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_tools()
+
+    async def apredict_and_call(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_tools()
 
     # -- translation -------------------------------------------------------------------
     def options(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -147,9 +181,9 @@ class CacheBlendLLM(CustomLLM):
         if "max_tokens" in overrides:
             overrides["max_new_tokens"] = overrides.pop("max_tokens")
         RequestOptions.check_names({k: v for k, v in overrides.items() if k != "documents"}, "CacheBlendLLM")
-        opts = {name: getattr(self, name) for name in _FIELD_OPTIONS} | {"max_new_tokens": self.max_tokens}
-        opts["stop"] = tuple(opts["stop"])
-        return opts | overrides
+        opts = {name: getattr(self, name) for name in _FIELD_OPTIONS}
+        opts |= {"max_new_tokens": self.max_tokens, "timeout": self.request_timeout, "stop": tuple(self.stop)}
+        return opts | self.additional_kwargs | overrides
 
     @staticmethod
     def to_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:

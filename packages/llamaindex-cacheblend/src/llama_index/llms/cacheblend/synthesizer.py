@@ -17,6 +17,7 @@ from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
 from llama_index.core.indices.base import BaseIndex
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.retrievers import BaseRetriever
@@ -57,10 +58,21 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         self.query_template = query_template
 
     def _get_prompts(self) -> dict[str, Any]:
-        return {}  # no prompt template: the chat template frames the chunks
+        """One prompt: ``query_template``, the text after the chunks (the chunks themselves
+        are blended from their caches, never formatted into a template)."""
+        return {"query_template": PromptTemplate(self.query_template)}
 
     def _update_prompts(self, prompts_dict: dict[str, Any]) -> None:
-        pass
+        unknown = sorted(set(prompts_dict) - {"query_template"})
+        if unknown:
+            raise CacheBlendError(
+                f"CacheBlendSynthesizer has one prompt, 'query_template' (the text after the blended chunks, with "
+                f"{{query_str}}), not {unknown}; set system= and preamble= for the text before the chunks")
+        template = prompts_dict["query_template"]
+        text = template.get_template() if isinstance(template, BasePromptTemplate) else template
+        if not isinstance(text, str) or "{query_str}" not in text:
+            raise CacheBlendError("query_template must be a prompt or string containing {query_str}")
+        self.query_template = text
 
     # -- the blended call ------------------------------------------------------------------
     def _start(self, query_str: str, text_chunks: Sequence[str], kwargs: dict[str, Any]) -> GenerationRun:
