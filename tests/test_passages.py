@@ -118,3 +118,34 @@ def test_documents_without_a_user_message_are_refused(engine):
         engine.start_chat([{"role": "system", "content": "s"}], documents=["a passage"])
     with pytest.raises(CacheBlendError, match="non-empty string"):
         engine.start_chat([{"role": "user", "content": "q"}], documents=[""])
+
+
+@pytest.mark.parametrize("template", [
+    "Context: {c}\nQuestion: {q}",  # one paragraph: the question is its last line
+    "Source 1:\n{c}\n\nQuestion: {q}",
+])
+def test_unseen_passage_costs_a_full_prefill_then_is_reused(engine, template):
+    """A drop-in prompt's unseen passage is computed in place (as full prefill would: the
+    answer IS full prefill's), stored in the background without its label, reused next."""
+    engine.learn_min_chars = 60
+    messages = [{"role": "user", "content": template.format(c=PASSAGES[2], q=QUERY)}]
+    first = _run(engine.start_chat(messages, **GEN))
+    full = _run(engine.start_chat(messages, method="full", **GEN))  # the same pieces, all computed
+    assert first.stats.chunks_learned == 1 and first.stats.chunks == 1
+    assert first.token_ids == full.token_ids  # nothing reused approximately: exact prefix + computed tokens
+    torch.testing.assert_close(first.first_token_logits, full.first_token_logits, atol=1e-4, rtol=1e-4)
+    assert PASSAGES[2] in engine.passages  # the passage, without the template's label
+    again = _run(engine.start_chat(messages, **GEN))  # waits for the background precompute if needed
+    assert again.stats.chunks_learned == 0 and again.stats.store_hits >= 2  # the passage and the prefix
+    assert again.stats.reused_tokens > first.stats.reused_tokens
+    engine.release(PASSAGES[2])
+
+
+def test_a_passage_pasted_without_its_surrounding_whitespace_is_still_found(engine):
+    engine.learn_min_chars = 10_000  # nothing learned: only known passages count
+    engine.ingest(["\n " + PASSAGES[1] + "\n"])
+    messages = [{"role": "user", "content": f"Sources: {PASSAGES[1]}\n\nQuestion: {QUERY}"}]
+    first = _run(engine.start_chat(messages, **GEN))
+    assert first.stats.chunks == 1 and first.stats.chunks_learned == 0
+    again = _run(engine.start_chat(messages, **GEN))  # stored in the background after the first call
+    assert again.stats.store_hits >= 2 and again.stats.reused_tokens > first.stats.reused_tokens

@@ -219,19 +219,25 @@ class Engine:
         plan = plan_chat(self.prompts, self.passages, messages, documents, learn=opts.learn,
                          learn_min_chars=self.config.learn_min_chars)
         handles = [self.chunks.handle(ids) for ids in plan.prompt.chunks]
-        run = self._begin(plan.prompt, handles, t0, opts)
+        # A passage found in the prompt by its text but not stored (learned now, or its cache
+        # evicted) is computed in place, as full prefill would, and stored in the background
+        # afterwards; ``documents`` are chunks as in :meth:`start` (precomputed if missing).
+        docs = [documents] if isinstance(documents, str) else documents
+        given = {tuple(ids) for d in docs for ids in (self.prompts.encode(d), self.prompts.chunk_ids(d))}
+        defer = frozenset(h.key for h in handles if h.token_ids not in given)
+        run = self._begin(plan.prompt, handles, t0, opts, defer)
         run.stats.chunks_learned = len(plan.learned)
         return run
 
     def _begin(self, prompt: PromptIds, handles: list[ChunkHandle], t0: float,
-               options: RequestOptions | dict[str, Any]) -> Generation:
+               options: RequestOptions | dict[str, Any], defer: frozenset[str] = frozenset()) -> Generation:
         opts = options if isinstance(options, RequestOptions) else RequestOptions.parse(options)
         n = len(prompt.all_ids)
         if n >= self.context_length:
             raise CacheBlendError(
                 f"prompt of {n} tokens does not fit the model's context of {self.context_length} tokens"
             )
-        return Generation(self, Request(prompt, handles, opts, t0))
+        return Generation(self, Request(prompt, handles, opts, t0, defer))
 
 
 def _engine_config(config: EngineConfig | None, settings: dict[str, Any]) -> EngineConfig:

@@ -22,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+# A template's label in front of a passage: "Context:", "Source 1:", "Document [2]:", ...
+_LABEL = re.compile(r"[A-Z][A-Za-z]*(?: [A-Za-z]+){0,3}(?: ?[#\[(]?\d+[\])]?)?:[ \t]*\n?[ \t]*")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,12 @@ class PassageIndex:
         return text in self._texts
 
     def add(self, text: str) -> None:
+        """Remember ``text``; stripped of leading and trailing whitespace too, since a
+        template may paste it either way (its cache is then the stripped text's own)."""
+        for variant in dict.fromkeys((text, text.strip())):
+            self._add(variant)
+
+    def _add(self, text: str) -> None:
         if not text.strip():
             return
         if text in self._texts:
@@ -66,9 +74,13 @@ class PassageIndex:
         else:
             self._short.add(text)
         while len(self._texts) > self.capacity:
-            self.discard(next(iter(self._texts)))
+            self._discard(next(iter(self._texts)))
 
     def discard(self, text: str) -> None:
+        for variant in dict.fromkeys((text, text.strip())):
+            self._discard(variant)
+
+    def _discard(self, text: str) -> None:
         if text not in self._texts:
             return
         del self._texts[text]
@@ -143,13 +155,12 @@ def cut(text: str, index: PassageIndex, learn_min_chars: int | None, keep_tail: 
         for s in [*found, Span(len(text), len(text))]:
             gaps.append((pos, s.start))
             pos = s.end
-        tail = len(text)
-        if keep_tail:
-            breaks = list(_PARAGRAPH_BREAK.finditer(text))
-            tail = breaks[-1].end() if breaks else 0
+        tail = _tail_start(text) if keep_tail else len(text)
         for a, b in gaps:
             for s in paragraphs(text[a:min(b, tail)] if a < tail else "", learn_min_chars):
-                found.append(Span(a + s.start, a + s.end, learned=True))
+                span = _unlabelled(text, a + s.start, a + s.end, learn_min_chars)
+                if span is not None:
+                    found.append(span)
         found.sort(key=lambda s: s.start)
     pieces: list[Piece] = []
     pos = 0
@@ -162,3 +173,21 @@ def cut(text: str, index: PassageIndex, learn_min_chars: int | None, keep_tail: 
     if pos < len(text):
         pieces.append(Piece(text[pos:]))
     return pieces
+
+
+def _tail_start(text: str) -> int:
+    """Where the question starts: the last paragraph, or the last line of it when it has
+    several (a one-paragraph template such as ``"Context: {c}\nQuestion: {q}"``)."""
+    breaks = list(_PARAGRAPH_BREAK.finditer(text))
+    start = breaks[-1].end() if breaks else 0
+    line = text.rfind("\n", start, len(text.rstrip()))
+    return line + 1 if line >= 0 else start
+
+
+def _unlabelled(text: str, start: int, end: int, min_chars: int) -> Span | None:
+    """The learned span ``text[start:end]`` without a template's label in front of it
+    (``"Context: "``, ``"Source 1:\n"``), if what remains is still long enough."""
+    label = _LABEL.match(text, start, end)
+    if label is not None and label.end() < end:
+        start = label.end()
+    return Span(start, end, learned=True) if end - start >= min_chars else None

@@ -61,7 +61,7 @@ class ChatCacheBlend(BaseChatModel):
     top_p: float = _D.top_p
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     timeout: float | None = None
-    """Seconds a call may take; checked between decoded tokens."""
+    """Seconds a call may take; checked between the layers of the prefill and between decoded tokens."""
     max_retries: int = 2
     """Retries of a call that failed for a reason other than bad input (e.g. a store error)."""
     seed: int | None = _D.seed
@@ -103,7 +103,8 @@ class ChatCacheBlend(BaseChatModel):
         return self.model or DEFAULT_MODEL_NAME
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider="cacheblend", ls_model_type="chat", ls_model_name=self.model_name,
+        params = LangSmithParams(ls_provider="cacheblend", ls_model_type="chat",
+                                 ls_model_name=kwargs.get("model") or self.model_name,
                                  ls_temperature=kwargs.get("temperature", self.temperature))
         if (max_tokens := kwargs.get("max_tokens", self.max_tokens)) is not None:
             params["ls_max_tokens"] = max_tokens

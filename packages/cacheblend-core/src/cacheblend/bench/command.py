@@ -50,44 +50,13 @@ def main(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from ..datasets import data_file
     from ..engine import Engine
-    from . import plots
-    from .peers import vllm_python
-    from .runner import BlendOptions, run_examples, summarise, variants
 
     torch.set_num_threads(args.threads)
-    datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
-    for d in datasets:
-        if d not in TASKS:
-            raise SystemExit(f"cacheblend bench: unknown data set {d!r}; known: {', '.join(TASKS)}")
-    methods = [m.strip() for m in args.methods.split(",")]
-    bad = set(methods) - {"full", "prefix", "reuse", "blend"}
-    if bad:
-        raise SystemExit(f"cacheblend bench: unknown methods {sorted(bad)}")
-    chunk_counts = [int(x) for x in args.chunks.split(",")]
-    try:  # fail before the model loads: a data directory and, for peers, the vLLM interpreter
-        for d in datasets:
-            data_file(TASK_FILES[d], args.data)
-        python = vllm_python(args.vllm_python) if args.peers == "vllm" else None
-    except FileNotFoundError as e:  # DataNotFoundError, or no vLLM interpreter
-        raise SystemExit(f"cacheblend bench: {e}") from None
-    options = BlendOptions(tuple(int(x) for x in args.check_layers.split(",")), args.gradual)
-    vs = variants(methods, _floats(args.ratios))
+    datasets, methods, chunk_counts, python = _checked(args)
     engine = Engine.load(args.model, store="memory")  # no background disk writes while timing
     t0 = time.perf_counter()
-    records, groups = [], []
-    for dataset in datasets:
-        for chunks in chunk_counts:
-            task, examples = load_task(dataset, args.split, args.limit, chunks, args.data)
-            samples, prompts = run_examples(engine, task, examples, vs, options, desc=f"{dataset} x{chunks}")
-            base = {"dataset": dataset, "split": args.split, "chunks": chunks, "model": engine.model_name,
-                    "metric": task.metric, "check_layers": list(options.check_layers), "gradual": options.gradual}
-            mine = summarise(samples, vs, base)
-            records += mine
-            full_first = {p["id"]: s.first_token for p, s in zip(prompts, [s for s in samples if s.variant == "full"],
-                                                                    strict=True)}
-            groups.append((base, prompts, full_first, mine[0]["ttft_median_s"]))
+    records, groups = _run(engine, args, datasets, methods, chunk_counts)
     report: dict[str, Any] = {"command": "cacheblend bench " + " ".join(sys.argv[2:]),
                               "machine": _machine(args.threads), "records": records}
     if python is not None:  # --peers vllm
@@ -104,6 +73,61 @@ def main(args) -> int:
                                **sparsity_profile([token_deviation(engine, task, ex) for ex in examples])}
     report["seconds"] = time.perf_counter() - t0
     _print(report["records"])
+    _write(report, args)
+    return 0
+
+
+def _checked(args) -> tuple[list[str], list[str], list[int], Path | None]:
+    """Data sets, methods, chunk counts and the vLLM interpreter, checked before the model
+    loads (a bad one is a one-line error)."""
+    from ..datasets import data_file
+    from .peers import vllm_python
+
+    datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
+    for d in datasets:
+        if d not in TASKS:
+            raise SystemExit(f"cacheblend bench: unknown data set {d!r}; known: {', '.join(TASKS)}")
+    methods = [m.strip() for m in args.methods.split(",")]
+    bad = set(methods) - {"full", "prefix", "reuse", "blend"}
+    if bad:
+        raise SystemExit(f"cacheblend bench: unknown methods {sorted(bad)}")
+    chunk_counts = [int(x) for x in args.chunks.split(",")]
+    try:  # a data directory and, for peers, the vLLM interpreter
+        for d in datasets:
+            data_file(TASK_FILES[d], args.data)
+        python = vllm_python(args.vllm_python) if args.peers == "vllm" else None
+    except FileNotFoundError as e:  # DataNotFoundError, or no vLLM interpreter
+        raise SystemExit(f"cacheblend bench: {e}") from None
+    return datasets, methods, chunk_counts, python
+
+
+def _run(engine, args, datasets: list[str], methods: list[str], chunk_counts: list[int]) -> tuple[list, list]:
+    """Every variant on every (data set, chunk count): records, and per group what the
+    vLLM peer needs (prompts, full prefill's first tokens and median TTFT)."""
+    from .runner import BlendOptions, run_examples, summarise, variants
+
+    options = BlendOptions(tuple(int(x) for x in args.check_layers.split(",")), args.gradual)
+    vs = variants(methods, _floats(args.ratios))
+    records: list[dict] = []
+    groups: list[tuple] = []
+    for dataset in datasets:
+        for chunks in chunk_counts:
+            task, examples = load_task(dataset, args.split, args.limit, chunks, args.data)
+            samples, prompts = run_examples(engine, task, examples, vs, options, desc=f"{dataset} x{chunks}")
+            base = {"dataset": dataset, "split": args.split, "chunks": chunks, "model": engine.model_name,
+                    "metric": task.metric, "check_layers": list(options.check_layers), "gradual": options.gradual}
+            mine = summarise(samples, vs, base)
+            records += mine
+            full_first = {p["id"]: s.first_token for p, s in zip(prompts, [s for s in samples if s.variant == "full"],
+                                                                    strict=True)}
+            groups.append((base, prompts, full_first, mine[0]["ttft_median_s"]))
+    return records, groups
+
+
+def _write(report: dict[str, Any], args) -> None:
+    """The JSON records and the PNG plots, where asked for."""
+    from . import plots
+
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"records: {args.json}")
@@ -117,7 +141,6 @@ def main(args) -> int:
         for path in made:
             if path is not None:
                 print(f"plot: {path}")
-    return 0
 
 
 def _peers(engine, groups, python: Path) -> list[dict]:

@@ -26,6 +26,9 @@ from torch import Tensor
 
 _BUCKETS = 8
 _MIN_BUCKET = 48
+# Masked attention of half-precision models runs in float32: CPU kernels with native bf16
+# (AMX) put the masked bucket path much further from full prefill than the causal kernel.
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, **kw) -> Tensor:
@@ -53,6 +56,7 @@ class AttentionPlan:
         if window is not None and window >= int(q_pos[-1]) + 1:
             window = None
         self.window = window
+        self.compute_dtype = torch.float32 if dtype in _HALF else dtype
         self.buckets: list[_Bucket] = []
         if self.causal and window is None:
             return  # the plain causal kernel is exact and fastest
@@ -68,7 +72,7 @@ class AttentionPlan:
                 hidden |= j <= pos[:, None] - window
             mask = None
             if bool(hidden.any()):
-                mask = torch.zeros(hidden.shape, dtype=dtype, device=q_pos.device)
+                mask = torch.zeros(hidden.shape, dtype=self.compute_dtype, device=q_pos.device)
                 mask = mask.masked_fill_(hidden, float("-inf")).repeat(groups, 1)
             self.buckets.append(_Bucket(slice(a, b), start, end, mask))
 
@@ -80,14 +84,15 @@ class AttentionPlan:
         h, m, hd = q.shape
         if h != kvh * g:
             raise ValueError(f"plan built for {g} query heads per KV head, got {h}/{kvh}")
-        grouped = q.view(kvh, g, m, hd)
+        cd = self.compute_dtype
+        grouped = q.view(kvh, g, m, hd).to(cd)
         outs = []
         for b in self.buckets:
             rows = b.rows.stop - b.rows.start
             qb = grouped[:, :, b.rows].reshape(kvh, g * rows, hd)
-            out = _sdpa(qb, k[:, b.start : b.end], v[:, b.start : b.end], scale, attn_mask=b.mask)
+            out = _sdpa(qb, k[:, b.start : b.end].to(cd), v[:, b.start : b.end].to(cd), scale, attn_mask=b.mask)
             outs.append(out.view(kvh, g, rows, hd))
-        return torch.cat(outs, dim=2).reshape(h, m, hd)
+        return torch.cat(outs, dim=2).reshape(h, m, hd).to(q.dtype)
 
 
 def positional_attention(

@@ -135,8 +135,7 @@ def fused_prefill(
     cos, sin = dec.rope_tables(torch.arange(n, device=kv.k.device))
     active = torch.nonzero(lay.uncached | lay.candidate if ratio > 0 else lay.uncached).squeeze(1)
     h = dec.embed(lay.ids[active])
-    checks = {layer: i for i, layer in enumerate(config.check_layers)}
-    active_per_layer: list[int] = []
+    checks, active_per_layer = {layer: i for i, layer in enumerate(config.check_layers)}, []
 
     plans = AttentionPlans(active, shape.dtype, shape.groups)
     loader = LayerLoader([s.cached for _, _, s in reused_spans], shape.num_layers, prefetch)  # type: ignore[misc]
@@ -145,9 +144,7 @@ def fused_prefill(
         for layer in range(shape.num_layers):
             check_deadline(deadline, f"the fused prefill, before layer {layer}")
             cached = loader.layer(layer)
-            for (a, b, _), (ck, cv) in zip(reused_spans, cached, strict=True):  # re-positioning: RoPE at real offsets
-                kv.k[layer, :, a:b] = apply_rope(ck, cos[a:b], sin[a:b])
-                kv.v[layer, :, a:b] = cv
+            _reposition(kv, layer, reused_spans, cached, cos, sin)
             x = dec.attn_input(layer, h)
             k, v = dec.keys_values(layer, x)
             if capture is not None:
@@ -176,6 +173,14 @@ def fused_prefill(
         active_per_layer=active_per_layer, load_s=loader.load_s, load_exposed_s=loader.exposed_s,
         compute_s=time.perf_counter() - t_start - loader.exposed_s,
     )
+
+
+def _reposition(kv: KVCache, layer: int, spans: list[tuple[int, int, Segment]], cached: list[tuple[Tensor, Tensor]],
+                cos: Tensor, sin: Tensor) -> None:
+    """Write the reused K/V of one layer into the fused cache, RoPE applied at their real offsets."""
+    for (a, b, _), (ck, cv) in zip(spans, cached, strict=True):
+        kv.k[layer, :, a:b] = apply_rope(ck, cos[a:b], sin[a:b])
+        kv.v[layer, :, a:b] = cv
 
 
 def check_deadline(deadline: float | None, where: str) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +41,7 @@ class LookupCounter:
     corrupt: int = 0  # entries found damaged: dropped by their tier, recomputed
     precompute_s: float = 0.0
     bypass_store: bool = False
+    deferred: list[ChunkHandle] = field(default_factory=list)  # computed in place now, stored later
 
     @property
     def rejected(self) -> int:
@@ -71,6 +73,9 @@ class ChunkCache:
         self.prefetch = prefetch
         self.separator: list[int] = prompts.encode(prompts.chunk_separator)
         self.lock = threading.Lock()  # the store and the controller are shared; decoding is not
+        self._learning: dict[str, Future] = {}  # key -> background precompute of a learned chunk
+        self._learning_lock = threading.Lock()
+        self._learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-learn")
 
     # -- identity ----------------------------------------------------------------------
     def handle(self, ids: Sequence[int]) -> ChunkHandle:
@@ -160,13 +165,55 @@ class ChunkCache:
         A chunk is stored followed by the chunk separator; one that a template puts
         elsewhere (not followed by a blank line) is served from that same entry's first
         tokens (:class:`PrefixView`), so each passage is computed and stored once."""
+        self.wait_learning(handle)
+        return self._chunk_source(handle, counter)
+
+    def _chunk_source(self, handle: ChunkHandle, counter: LookupCounter) -> LayerSource:
+        key, ids = self._entry(handle)
+        source = self._lookup(key, ids, self.precompute, counter)
+        return source if len(ids) == handle.num_tokens else PrefixView(source, handle.num_tokens)
+
+    def _entry(self, handle: ChunkHandle) -> tuple[str, list[int]]:
+        """The key and token ids of the entry that serves ``handle`` (itself, or itself
+        followed by the chunk separator)."""
         ids = list(handle.token_ids)
         sep = self.separator
         if not sep or ids[-len(sep):] == sep:
-            return self._lookup(handle.key, ids, self.precompute, counter)
-        full = ids + sep
-        source = self._lookup(chunk_key(self.fingerprint, full, self.policy), full, self.precompute, counter)
-        return PrefixView(source, len(ids))
+            return handle.key, ids
+        return chunk_key(self.fingerprint, ids + sep, self.policy), ids + sep
+
+    def stored_source(self, handle: ChunkHandle, counter: LookupCounter) -> LayerSource | None:
+        """The chunk's trusted stored cache, or None (nothing is computed)."""
+        self.wait_learning(handle)
+        key, ids = self._entry(handle)
+        source = self._stored(key, len(ids), counter)
+        if source is None:
+            return None
+        return source if len(ids) == handle.num_tokens else PrefixView(source, handle.num_tokens)
+
+    # -- learning off the critical path ---------------------------------------------------
+    def learn_later(self, handles: Sequence[ChunkHandle]) -> None:
+        """Precompute and store chunks on a background thread: a passage first seen inside
+        a prompt is computed in place by that prompt's prefill, and cached for the next."""
+        with self._learning_lock:
+            for handle in handles:
+                if handle.key not in self._learning:
+                    self._learning[handle.key] = self._learner.submit(self._learn, handle)
+
+    def _learn(self, handle: ChunkHandle) -> None:
+        try:
+            self._chunk_source(handle, LookupCounter())
+        finally:
+            with self._learning_lock:
+                self._learning.pop(handle.key, None)
+
+    def wait_learning(self, handle: ChunkHandle | None = None) -> None:
+        """Wait until ``handle``'s background precompute (or every one) has finished."""
+        with self._learning_lock:
+            pending = [self._learning.get(handle.key)] if handle is not None else list(self._learning.values())
+        for future in pending:
+            if future is not None:
+                future.exception()  # waits; a failure was logged by nobody and is recomputed on use
 
     def prefix_source(self, ids: Sequence[int], counter: LookupCounter) -> LayerSource:
         """Exact K/V of a prompt prefix computed at position 0 (prefix caching)."""
@@ -174,26 +221,36 @@ class ChunkCache:
 
     def _lookup(self, key: str, ids: Sequence[int], compute: Callable[[Sequence[int]], ChunkKV],
                 counter: LookupCounter) -> LayerSource:
-        """The stored cache for ``key``, else ``compute(ids)`` stored under it.  An entry
-        made by another model (or of another length) is dropped, never served."""
-        source = None if counter.bypass_store else self.store.open(key)
+        """The stored cache for ``key``, else ``compute(ids)`` stored under it."""
+        source = self._stored(key, len(ids), counter)
         if source is not None:
-            model = source.meta.get("model")
-            if source.num_tokens == len(ids) and model in (None, self.fingerprint):
-                counter.hits += 1
-                return source
-            counter.foreign += 1
-            self.store.delete(key)
-        counter.misses += 1
+            return source
         t = time.perf_counter()
         kv = compute(list(ids))
         self.store.put(key, kv)
         counter.precompute_s += time.perf_counter() - t
         return kv
 
+    def _stored(self, key: str, num_tokens: int, counter: LookupCounter) -> LayerSource | None:
+        """The stored entry for ``key`` if it can be trusted (counted as a hit), else None
+        (a miss).  An entry made by another model, or of another length, is dropped."""
+        source = None if counter.bypass_store else self.store.open(key)
+        if source is not None:
+            model = source.meta.get("model")
+            if source.num_tokens == num_tokens and model in (None, self.fingerprint):
+                counter.hits += 1
+                return source
+            counter.foreign += 1
+            self.store.delete(key)
+        counter.misses += 1
+        return None
+
     def segments(self, prompt: PromptIds, handles: Sequence[ChunkHandle], method: str,
-                 counter: LookupCounter) -> list[Segment]:
-        """The prompt as fusor segments with the caches ``method`` may use."""
+                 counter: LookupCounter, defer: Collection[str] = ()) -> list[Segment]:
+        """The prompt as fusor segments with the caches ``method`` may use.  A chunk whose
+        key is in ``defer`` and that is not stored yet is computed in place (as full prefill
+        would) and listed in ``counter.deferred``, to be stored later (:meth:`learn_later`)."""
+        counter.deferred = []
         if method == "full":
             return [Segment(prompt.all_ids)]
         body = prompt.body()
@@ -205,8 +262,17 @@ class ChunkCache:
         segs = [Segment(prompt.prefix, self.prefix_source(prompt.prefix, counter), exact=True)] if prompt.prefix else []
         chunk_handles = iter(handles)
         for ids, chunk in body:
-            segs.append(Segment(ids, self.chunk_source(next(chunk_handles), counter)) if chunk else Segment(ids))
+            segs.append(self._chunk_segment(next(chunk_handles), counter, defer) if chunk else Segment(ids))
         return segs
+
+    def _chunk_segment(self, handle: ChunkHandle, counter: LookupCounter, defer: Collection[str]) -> Segment:
+        if handle.key not in defer:
+            return Segment(handle.token_ids, self.chunk_source(handle, counter))
+        source = self.stored_source(handle, counter)
+        if source is None:
+            counter.deferred.append(handle)
+            return Segment(handle.token_ids)
+        return Segment(handle.token_ids, source)
 
     def span_segments(self, ids: Sequence[int], spans: Sequence[tuple[int, int]],
                       counter: LookupCounter) -> list[Segment]:

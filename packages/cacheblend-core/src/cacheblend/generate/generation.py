@@ -37,6 +37,7 @@ class Request:
     handles: Sequence[ChunkHandle]
     options: RequestOptions
     t0: float
+    defer: frozenset[str] = frozenset()  # keys of learned chunks: computed in place if not stored yet
 
 
 def _lazy(segments: list[Segment]) -> list[Segment]:
@@ -101,7 +102,8 @@ class Generation:
 
         def lookup(counter: LookupCounter) -> tuple[list[Segment], BlendConfig]:
             t = time.perf_counter()
-            segments = cache.segments(self.request.prompt, self.request.handles, self.method, counter)
+            segments = cache.segments(self.request.prompt, self.request.handles, self.method, counter,
+                                      defer=self.request.defer)
             stats.seconds["lookup"] = stats.seconds.get("lookup", 0.0) + time.perf_counter() - t
             if self.request.options.auto:
                 self._control(segments)
@@ -137,6 +139,7 @@ class Generation:
             token = sampler(report.logits)
             self._record_prefill(report, counter, t)
             ttft = time.perf_counter() - self.request.t0
+        eng.chunks.learn_later(counter.deferred)  # off the critical path: the first token is out
 
         text = TextStream(eng.tokenizer, self.sampling.stop)
         tokens: list[int] = []
