@@ -263,6 +263,8 @@ class ChunkCache:
         chunk_handles = iter(handles)
         for ids, chunk in body:
             segs.append(self._chunk_segment(next(chunk_handles), counter, defer) if chunk else Segment(ids))
+        if counter.deferred and not any(s.cached is not None and not s.exact for s in segs):
+            return [Segment(prompt.all_ids)]  # nothing to blend: plain full prefill, the causal kernel
         return segs
 
     def _chunk_segment(self, handle: ChunkHandle, counter: LookupCounter, defer: Collection[str]) -> Segment:
