@@ -137,6 +137,7 @@ def test_unseen_passage_costs_a_full_prefill_then_is_reused(engine, template):
     assert PASSAGES[2] in engine.passages  # the passage, without the template's label
     again = _run(engine.start_chat(messages, **GEN))  # waits for the background precompute if needed
     assert again.stats.chunks_learned == 0 and again.stats.store_hits >= 2  # the passage and the prefix
+    assert engine.store.stats()["learned_entries"] == 1  # marked: evicted before ingested chunks
     assert again.stats.reused_tokens > first.stats.reused_tokens
     engine.release(PASSAGES[2])
 

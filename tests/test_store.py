@@ -152,3 +152,57 @@ def test_entry_evicted_while_safetensors_opens_it_is_a_miss(tmp_path, monkeypatc
     monkeypatch.setattr(disk, "safe_open", racing_open)
     assert store.open(KEY_A) is None
     assert store.corrupt == 0
+
+
+def _entry(learned: bool = False, tokens: int = 4) -> ChunkKV:
+    return ChunkKV(torch.randn(2, 1, tokens, 8), torch.randn(2, 1, tokens, 8), {"origin": "learned"} if learned else {})
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_learned_chunks_are_evicted_before_ingested_ones(tmp_path, tier):
+    size = _entry().nbytes
+    store = MemoryStore(3 * size) if tier == "memory" else DiskStore(tmp_path / "kv")
+    if tier == "disk":  # capacity from the first file's size: headers differ a little from tensor bytes
+        store.put("0" * 64, _entry())
+        store.capacity_bytes = int(store.nbytes * 3.5)
+        store.delete("0" * 64)
+    keys = [f"{i:064x}" for i in range(4)]
+    store.put(keys[0], _entry())  # ingested, the oldest
+    store.put(keys[1], _entry(learned=True))
+    store.put(keys[2], _entry())
+    store.put(keys[3], _entry())  # over capacity: the learned one goes, not the oldest
+    assert keys[1] not in store and all(k in store for k in (keys[0], keys[2], keys[3]))
+    stats = store.stats()
+    assert stats["learned_entries"] == 0 and stats["bytes_per_token"] > 0
+
+
+def test_an_index_without_the_new_columns_is_upgraded(tmp_path):
+    import sqlite3
+
+    root = tmp_path / "kv"
+    root.mkdir()
+    db = sqlite3.connect(root / "index.sqlite3")
+    db.execute("CREATE TABLE entries (key TEXT PRIMARY KEY, bytes INTEGER, used REAL)")
+    db.commit()
+    db.close()
+    store = DiskStore(root)
+    assert store.put("1" * 64, _entry(learned=True)) and store.stats()["learned_entries"] == 1
+
+
+def test_chunk_caches_stored_in_bfloat16_take_half_the_bytes(tmp_path, default_model_dir):
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    full32 = Engine.load(folder, store="memory")
+    half = Engine.load(folder, store="memory", kv_dtype="bfloat16")
+    (h32,), (h16,) = full32.ingest(PASSAGES[:1]), half.ingest(PASSAGES[:1])
+    assert h32.key != h16.key  # another precision is another policy: entries never mix
+    e32, e16 = full32.store.get(h32.key), half.store.get(h16.key)
+    assert e16.k.dtype == torch.bfloat16 and e16.nbytes * 2 == e32.nbytes
+    assert half.store.stats()["bytes_per_token"] * 2 == full32.store.stats()["bytes_per_token"]
+    handles = half.ingest(PASSAGES)
+    exact = half.generate(QUERY, handles, recompute_ratio=1.0, max_new_tokens=4)
+    full = half.generate(QUERY, handles, method="full", max_new_tokens=4)
+    assert exact.token_ids == full.token_ids  # recomputing everything still equals full prefill
+    torch.testing.assert_close(exact.first_token_logits, full.first_token_logits, atol=1e-3, rtol=1e-3)
+    assert half.generate(QUERY, handles, method="reuse", max_new_tokens=2).stats.store_hits == len(PASSAGES) + 1

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from ._version import __version__
-from .config import METHODS, RequestOptions
+from .config import KV_DTYPES, METHODS, RequestOptions
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -38,7 +38,7 @@ def _engine(args: argparse.Namespace) -> Engine:
     _quiet()
     from .engine import Engine
 
-    return Engine.load(args.model, store=args.store)
+    return Engine.load(args.model, store=args.store, kv_dtype=args.kv_dtype)
 
 
 def _read_chunks(files: list[Path], split: str | None) -> list[str]:
@@ -155,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None, help="HF model folder or .gguf (default: SmolLM2-135M-Instruct)")
         p.add_argument("--store", default=None, help="store spec, e.g. 'memory,disk:/path' (default: memory + disk)")
         p.add_argument("--split", default=None, help="split files into chunks at this string, e.g. '\\n\\n'")
+        p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
+                       help="dtype chunk caches are stored in (default: the model's; bfloat16 halves the store)")
 
     p = sub.add_parser("ingest", help="precompute and store chunk KV; one JSON line per chunk")
     p.add_argument("files", nargs="+", type=Path, help="text files; each is one chunk unless --split")

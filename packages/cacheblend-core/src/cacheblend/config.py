@@ -25,6 +25,7 @@ from .errors import CacheBlendError
 METHODS = ("full", "prefix", "reuse", "blend")
 DEVIATIONS = ("v", "k", "kv")
 CHUNK_SINKS = ("bos", "frame")
+KV_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -205,17 +206,23 @@ class EngineConfig:
 
     ``chunk_sink``: the precompute policy, see :meth:`PromptBuilder.sink_ids`;
     ``prefetch``: pipelined layer loading (off only to measure its effect);
-    ``learn_min_chars``: paragraphs at least this long in a chat prompt become chunks."""
+    ``learn_min_chars``: paragraphs at least this long in a chat prompt become chunks;
+    ``kv_dtype``: the dtype chunk caches are stored in (None: the model's); ``"bfloat16"``
+    or ``"float16"`` halve the store's bytes of a float32 model (exact prefix caches keep
+    the model's dtype)."""
 
     device: str = "cpu"
     dtype: str | None = None
     chunk_sink: str = "bos"
     prefetch: bool = True
     learn_min_chars: int = 200
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_sink not in CHUNK_SINKS:
             raise CacheBlendError(f"chunk_sink must be one of {CHUNK_SINKS}, got {self.chunk_sink!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise CacheBlendError(f"kv_dtype must be one of {KV_DTYPES} or None, got {self.kv_dtype!r}")
         if isinstance(self.learn_min_chars, bool) or not isinstance(self.learn_min_chars, int) \
                 or self.learn_min_chars < 1:
             raise CacheBlendError(f"learn_min_chars must be a positive int, got {self.learn_min_chars!r}")
@@ -226,14 +233,16 @@ class ConnectorConfig:
     """The vLLM connector's ``kv_connector_extra_config``: ``store`` (a store spec),
     ``passages`` (a registry: JSON-lines path or ``redis://`` URL), ``stats`` (a file for
     one JSON line per worker operation), ``min_tokens`` (shorter prompts are not searched
-    for chunks; default two KV blocks), ``chunk_sink``, and any :class:`RequestOptions`
-    field as the server's default for requests (e.g. ``recompute_ratio``)."""
+    for chunks; default two KV blocks), ``chunk_sink`` and ``kv_dtype`` (as :class:`EngineConfig`),
+    and any :class:`RequestOptions` field as the server's default for requests (e.g.
+    ``recompute_ratio``)."""
 
     store: str | None = None
     passages: str | None = None
     stats: str | None = None
     min_tokens: int | None = None
     chunk_sink: str = EngineConfig.chunk_sink
+    kv_dtype: str | None = EngineConfig.kv_dtype
     defaults: RequestOptions = field(default_factory=RequestOptions)
 
     @classmethod

@@ -56,8 +56,10 @@ class Engine:
         self.controller = LoadingController()
         self.prompts = PromptBuilder(self.tokenizer)
         self.passages = PassageIndex()  # texts of cached chunks, to find them in formatted prompts
+        kv_dtype = getattr(torch, self.config.kv_dtype) if self.config.kv_dtype else None
         self.chunks = ChunkCache(self.decoder, store, self.prompts, self.fingerprint,
-                                 self.prompts.sink_ids(self.config.chunk_sink), self.device, self.config.prefetch)
+                                 self.prompts.sink_ids(self.config.chunk_sink), self.device, self.config.prefetch,
+                                 kv_dtype)
         eos = self.tokenizer.eos_token_id
         gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
         self.eos_ids = {t for t in ([eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos])) if t is not None}

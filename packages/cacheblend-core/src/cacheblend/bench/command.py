@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..config import KV_DTYPES
 from .tasks import TASK_FILES, TASKS, load_task
 
 
@@ -27,6 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--gradual", action="store_true", help="gradual filtering over the check layers")
     p.add_argument("--chunks", default="6", help="chunks (passages) per prompt, comma-separated (a sweep)")
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="dtype chunk caches are stored in "
+                   "(default: the model's)")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the data directory (the folder holding musique_s.json ...); default: $CACHEBLEND_DATA")
@@ -54,7 +57,7 @@ def main(args) -> int:
 
     torch.set_num_threads(args.threads)
     datasets, methods, chunk_counts, python = _checked(args)
-    engine = Engine.load(args.model, store="memory")  # no background disk writes while timing
+    engine = Engine.load(args.model, store="memory", kv_dtype=args.kv_dtype)  # memory: no background disk writes
     t0 = time.perf_counter()
     records, groups = _run(engine, args, datasets, methods, chunk_counts)
     report: dict[str, Any] = {"command": "cacheblend bench " + " ".join(sys.argv[2:]),
@@ -115,6 +118,7 @@ def _run(engine, args, datasets: list[str], methods: list[str], chunk_counts: li
             task, examples = load_task(dataset, args.split, args.limit, chunks, args.data)
             samples, prompts = run_examples(engine, task, examples, vs, options, desc=f"{dataset} x{chunks}")
             base = {"dataset": dataset, "split": args.split, "chunks": chunks, "model": engine.model_name,
+                    "kv_dtype": str(engine.chunks.kv_dtype).removeprefix("torch."),
                     "metric": task.metric, "check_layers": list(options.check_layers), "gradual": options.gradual}
             mine = summarise(samples, vs, base)
             records += mine

@@ -28,6 +28,7 @@ from .keys import chunk_key
 
 ATTEMPTS = 3  # a damaged entry is looked up again; the last attempt bypasses the store
 PREFIX_POLICY = "prefix"  # exact K/V of a prompt prefix computed at position 0
+LEARNED = "learned"  # meta "origin" of a chunk found in a prompt (not ingested): evicted first
 
 
 @dataclass
@@ -62,13 +63,19 @@ class ChunkCache:
     """
 
     def __init__(self, decoder: Decoder, store: Tier, prompts: PromptBuilder, fingerprint: str,
-                 sink: Sequence[int], device: torch.device, prefetch: bool = True) -> None:
+                 sink: Sequence[int], device: torch.device, prefetch: bool = True,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.decoder = decoder
         self.store = store
         self.prompts = prompts
         self.fingerprint = fingerprint
         self.sink: tuple[int, ...] = tuple(sink)
+        # Chunk caches are stored in ``kv_dtype`` (the model's by default); another dtype is
+        # part of the precompute policy, so entries of different precision never mix.
+        self.kv_dtype = kv_dtype or decoder.shape.dtype
         self.policy = "chunk:sink=" + ",".join(map(str, self.sink))
+        if self.kv_dtype != decoder.shape.dtype:
+            self.policy += ";kv=" + str(self.kv_dtype).removeprefix("torch.")
         self.device = device
         self.prefetch = prefetch
         self.separator: list[int] = prompts.encode(prompts.chunk_separator)
@@ -114,7 +121,7 @@ class ChunkCache:
         """K (pre-RoPE) and V of ``ids`` run behind the sink at position 0, with the sink's
         own K/V dropped (DESIGN.md, chunk precompute)."""
         kv = self._prefill_kv(list(self.sink) + list(ids), keep_from=len(self.sink))
-        return ChunkKV(kv.k, kv.v, self.meta(ids))
+        return ChunkKV(kv.k.to(self.kv_dtype), kv.v.to(self.kv_dtype), self.meta(ids))
 
     def precompute_prefix(self, ids: Sequence[int]) -> ChunkKV:
         """Exact K/V of a prompt prefix at position 0 (what prefix caching reuses)."""
@@ -135,7 +142,7 @@ class ChunkCache:
         key = self.handle(ids).key
         if self.store.open(key) is not None:
             return False
-        return bool(self.store.put(key, ChunkKV(kv.k, kv.v, self.meta(ids))))
+        return bool(self.store.put(key, ChunkKV(kv.k.to(self.kv_dtype), kv.v.to(self.kv_dtype), self.meta(ids))))
 
     def release(self, handle: ChunkHandle) -> bool:
         """Delete the chunk's entry from every tier (exact key only); whether one was stored."""
@@ -168,9 +175,14 @@ class ChunkCache:
         self.wait_learning(handle)
         return self._chunk_source(handle, counter)
 
-    def _chunk_source(self, handle: ChunkHandle, counter: LookupCounter) -> LayerSource:
+    def _chunk_source(self, handle: ChunkHandle, counter: LookupCounter, learned: bool = False) -> LayerSource:
         key, ids = self._entry(handle)
-        source = self._lookup(key, ids, self.precompute, counter)
+        compute = self.precompute
+        if learned:  # marked, so that a store evicts learned chunks before ingested ones
+            def compute(ids: Sequence[int]) -> ChunkKV:
+                kv = self.precompute(ids)
+                return ChunkKV(kv.k, kv.v, kv.meta | {"origin": LEARNED})
+        source = self._lookup(key, ids, compute, counter)
         return source if len(ids) == handle.num_tokens else PrefixView(source, handle.num_tokens)
 
     def _entry(self, handle: ChunkHandle) -> tuple[str, list[int]]:
@@ -202,7 +214,7 @@ class ChunkCache:
 
     def _learn(self, handle: ChunkHandle) -> None:
         try:
-            self._chunk_source(handle, LookupCounter())
+            self._chunk_source(handle, LookupCounter(), learned=True)
         finally:
             with self._learning_lock:
                 self._learning.pop(handle.key, None)

@@ -272,7 +272,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         if self._engine is None:
             t = time.perf_counter()
             self._engine = Engine.load(self.model_dir, store=self.config.store, dtype=self.dtype,
-                                       chunk_sink=self.config.chunk_sink)
+                                       chunk_sink=self.config.chunk_sink, kv_dtype=self.config.kv_dtype)
             log.info("CacheBlend engine loaded in %.1f s (store %s)", time.perf_counter() - t, self.config.store)
         return self._engine
 

@@ -108,11 +108,25 @@ class DiskStore:
         self._db = sqlite3.connect(self.root / "index.sqlite3", timeout=60, check_same_thread=False,
                                    isolation_level=None)
         _use_wal(self._db)
-        self._db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, bytes INTEGER, used REAL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, bytes INTEGER, used REAL, "
+                         "learned INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0)")
+        self._add_columns()
         if self._sql("SELECT COUNT(*) FROM entries")[0][0] == 0:
             self.reindex()
 
     # -- index ---------------------------------------------------------------------
+    def _add_columns(self) -> None:
+        """Indexes made before entries were marked learned or counted in tokens get the
+        columns (another process may add them at the same moment)."""
+        for column in ("learned", "tokens"):
+            have = {row[1] for row in self._sql("PRAGMA table_info(entries)")}
+            if column not in have:
+                try:
+                    self._sql(f"ALTER TABLE entries ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
+                except sqlite3.OperationalError as e:
+                    if "duplicate column" not in str(e):
+                        raise
+
     def _sql(self, query: str, args: tuple = ()) -> list[tuple]:
         with self._lock:
             return self._db.execute(query, args).fetchall()
@@ -123,7 +137,7 @@ class DiskStore:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute("DELETE FROM entries")
-            self._db.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?)", rows)
+            self._db.executemany("INSERT OR REPLACE INTO entries (key, bytes, used) VALUES (?, ?, ?)", rows)
             self._db.execute("COMMIT")
         return len(rows)
 
@@ -184,7 +198,7 @@ class DiskStore:
             "layer_sha256": json.dumps([layer_digest(*kv.layer(i)) for i in range(kv.num_layers)]),
         }
         blob = st_save(tensors, meta)
-        if not self._reserve(key, len(blob)):
+        if not self._reserve(key, len(blob), kv.meta.get("origin") == "learned", kv.num_tokens):
             return False
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,9 +225,10 @@ class DiskStore:
             return False
         return True
 
-    def _reserve(self, key: str, size: int) -> bool:
-        """Record ``key`` in the index, evicting least-recently-used entries so the total
-        stays within the capacity (one transaction, so concurrent writers agree)."""
+    def _reserve(self, key: str, size: int, learned: bool = False, tokens: int = 0) -> bool:
+        """Record ``key`` in the index, evicting entries so the total stays within the
+        capacity (one transaction, so concurrent writers agree): learned chunks (found in
+        prompts) least recently used first, then ingested ones least recently used first."""
         cap = self.capacity_bytes
         if cap is not None and size > cap:
             return False
@@ -225,13 +240,15 @@ class DiskStore:
                 db.execute("DELETE FROM entries WHERE key = ?", (key,))
                 if cap is not None:
                     total = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM entries").fetchone()[0]
-                    for old, nbytes in db.execute("SELECT key, bytes FROM entries ORDER BY used").fetchall():
+                    victims = db.execute("SELECT key, bytes FROM entries ORDER BY learned DESC, used").fetchall()
+                    for old, nbytes in victims:
                         if total + size <= cap:
                             break
                         db.execute("DELETE FROM entries WHERE key = ?", (old,))
                         evicted.append(old)
                         total -= nbytes
-                db.execute("INSERT INTO entries VALUES (?, ?, ?)", (key, size, time.time()))
+                db.execute("INSERT INTO entries (key, bytes, used, learned, tokens) VALUES (?, ?, ?, ?, ?)",
+                           (key, size, time.time(), int(learned), tokens))
                 for old in evicted:  # files go inside the transaction: no overshoot on disk
                     self.path(old).unlink(missing_ok=True)
                 db.execute("COMMIT")
@@ -290,6 +307,10 @@ class DiskStore:
         return {"temp_files_removed": tmp_removed, "stale_index_rows": len(stale)}
 
     def stats(self) -> dict:
-        return {"tier": "disk", "path": str(self.root), "entries": len(self), "bytes": self.nbytes,
+        learned, tokens, counted = self._sql(
+            "SELECT COALESCE(SUM(learned), 0), COALESCE(SUM(tokens), 0), COALESCE(SUM(bytes), 0) FROM entries "
+            "WHERE tokens > 0")[0]
+        return {"tier": "disk", "path": str(self.root), "entries": len(self), "learned_entries": int(learned),
+                "bytes": self.nbytes, "bytes_per_token": round(counted / tokens) if tokens else None,
                 "capacity_bytes": self.capacity_bytes, "corrupt": self.corrupt, "evictions": self.evictions,
                 "write_errors": self.write_errors, "last_error": self.last_error}

@@ -54,17 +54,27 @@ class MemoryStore:
             self._items[key] = kv
             self._bytes += size
             while self.capacity_bytes is not None and self._bytes > self.capacity_bytes:
-                _, evicted = self._items.popitem(last=False)
+                evicted = self._items.pop(self._victim())
                 self._bytes -= evicted.nbytes
                 self.evictions += 1
         return True
+
+    def _victim(self) -> str:
+        """The least recently used learned chunk (found in a prompt, not ingested), else the
+        least recently used entry."""
+        return next((k for k, kv in self._items.items() if kv.meta.get("origin") == "learned"),
+                    next(iter(self._items)))
 
     def open(self, key: str) -> ChunkKV | None:
         """Layer-wise access: an in-memory entry already is one."""
         return self.get(key)
 
     def stats(self) -> dict:
-        return {"tier": "memory", "entries": len(self), "bytes": self._bytes,
+        with self._lock:
+            tokens = sum(kv.num_tokens for kv in self._items.values())
+            learned = sum(kv.meta.get("origin") == "learned" for kv in self._items.values())
+        return {"tier": "memory", "entries": len(self), "learned_entries": learned, "bytes": self._bytes,
+                "bytes_per_token": round(self._bytes / tokens) if tokens else None,
                 "capacity_bytes": self.capacity_bytes, "evictions": self.evictions}
 
     def delete(self, key: str) -> bool:
