@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from .errors import CacheBlendError
 from .passages import PassageIndex
 from .results import BlendStats, ChunkHandle, Result
 
@@ -74,3 +75,36 @@ class Backend(Protocol):
     def stream(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options: Any) -> Iterator[str]:
         """:meth:`start`'s text pieces."""
         ...
+
+
+class Answering:
+    """What both backends derive from :meth:`start`: ``generate`` and ``stream``, and the
+    check of a request's framing arguments."""
+
+    def start(self, query: str, chunks: Sequence[ChunkHandle | str] = (), *, system: str | None = None,
+              preamble: str = "", **options: Any) -> GenerationRun:
+        raise NotImplementedError
+
+    def generate(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options: Any) -> Result:
+        """Answer ``query`` over ``chunks`` (handles or raw texts, in prompt order): :meth:`start`
+        run to its end."""
+        run = self.start(query, chunks, **options)
+        for _ in run.pieces:
+            pass
+        assert run.result is not None
+        return run.result
+
+    def stream(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options: Any) -> Iterator[str]:
+        """Yield the answer's text pieces as they are decoded (options as :meth:`start`);
+        bad input raises here, before the first piece."""
+        return self.start(query, chunks, **options).pieces
+
+
+def check_request(query: object, system: object, preamble: object) -> None:
+    """The framing arguments of :meth:`Backend.start`, named when they are wrong."""
+    if not isinstance(query, str) or not query.strip():
+        raise CacheBlendError("query must be a non-empty string")
+    if system is not None and not isinstance(system, str):
+        raise CacheBlendError(f"system must be a string or None, got {type(system).__name__}")
+    if not isinstance(preamble, str):
+        raise CacheBlendError(f"preamble must be a string, got {type(preamble).__name__}")

@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from .backend import Answering, check_request
 from .blend.controller import LoadingController
 from .cache.chunks import ChunkCache
 from .chat import plan_chat
@@ -30,14 +31,14 @@ from .models.decoder import Decoder
 from .models.loader import LoadedModel, load_model
 from .passages import PassageIndex
 from .prompt import PromptBuilder, PromptIds
-from .results import ChunkHandle, Result
+from .results import ChunkHandle
 from .store import ChunkKV, Tier, open_store
 
 _SHARED: dict[tuple, Engine] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-class Engine:
+class Engine(Answering):
     """Loads a model and answers RAG prompts built from cached chunks.
 
     >>> engine = Engine.load()
@@ -157,21 +158,7 @@ class Engine:
             removed += self.chunks.release(c)
         return removed
 
-    # -- answering -------------------------------------------------------------------
-    def generate(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options: Any) -> Result:
-        """Answer ``query`` over ``chunks`` (handles or raw texts, in prompt order); options
-        as :meth:`start`."""
-        run = self.start(query, chunks, **options)
-        for _ in run.pieces:
-            pass
-        assert run.result is not None
-        return run.result
-
-    def stream(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options: Any) -> Iterator[str]:
-        """Yield the answer's text pieces as they are decoded (options as :meth:`start`);
-        bad input raises here, before the first piece."""
-        return self.start(query, chunks, **options).pieces
-
+    # -- answering (generate and stream: :class:`Answering`) ----------------------------
     def start(
         self,
         query: str,
@@ -190,12 +177,7 @@ class Engine:
         ``check_layers``, ``deviation``, ``gradual``, ``max_new_tokens``, ``temperature``,
         ``top_p``, ``stop``, ``seed``)."""
         t0 = time.perf_counter()
-        if not isinstance(query, str) or not query.strip():
-            raise CacheBlendError("query must be a non-empty string")
-        if system is not None and not isinstance(system, str):
-            raise CacheBlendError(f"system must be a string or None, got {type(system).__name__}")
-        if not isinstance(preamble, str):
-            raise CacheBlendError(f"preamble must be a string, got {type(preamble).__name__}")
+        check_request(query, system, preamble)
         if isinstance(chunks, (str, ChunkHandle)):
             chunks = [chunks]
         handles = [self.chunks.resolve(c) for c in chunks]

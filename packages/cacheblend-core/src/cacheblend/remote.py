@@ -21,9 +21,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
 
+from .backend import Answering, check_request
 from .cache.keys import chunk_key
 from .chat import chunk_spans, plan_chat
 from .config import METHODS, EngineConfig, RequestOptions
@@ -76,7 +77,7 @@ class RemoteGeneration:
         self.result = Result(text=text, token_ids=[], ttft_s=ttft or 0.0, stats=s, finish_reason=finish)
 
 
-class RemoteEngine:
+class RemoteEngine(Answering):
     """Chat with CacheBlend on a vLLM server (``vllm serve MODEL --kv-transfer-config
     '{"kv_connector": "CacheBlendConnector", ...}'``, see docs/vllm.md).
 
@@ -201,28 +202,11 @@ class RemoteEngine:
         """As :meth:`Engine.start`: ``[system][preamble][chunk 1]…[chunk k][query]``, with
         each chunk's span sent to the server, whose connector reuses its cache."""
         t0 = time.perf_counter()
-        if not isinstance(query, str) or not query.strip():
-            raise CacheBlendError("query must be a non-empty string")
-        if system is not None and not isinstance(system, str):
-            raise CacheBlendError(f"system must be a string or None, got {type(system).__name__}")
-        if not isinstance(preamble, str):
-            raise CacheBlendError(f"preamble must be a string, got {type(preamble).__name__}")
+        check_request(query, system, preamble)
         if isinstance(chunks, (str, ChunkHandle)):
             chunks = [chunks]
         ids = [self._chunk_ids(c) for c in chunks]
         return self._send(self.prompts.build(query, ids, system, preamble), 0, options, t0)
-
-    def generate(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options: Any) -> Result:
-        """:meth:`start` run to its end."""
-        run = self.start(query, chunks, **options)
-        for _ in run.pieces:
-            pass
-        assert run.result is not None
-        return run.result
-
-    def stream(self, query: str, chunks: Sequence[ChunkHandle | str] = (), **options: Any) -> Iterator[str]:
-        """:meth:`start`'s text pieces; bad input raises here, before the first piece."""
-        return self.start(query, chunks, **options).pieces
 
     def _chunk_ids(self, chunk: ChunkHandle | str) -> list[int]:
         if isinstance(chunk, str):
