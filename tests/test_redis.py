@@ -11,7 +11,7 @@ import redis
 import torch
 
 from cacheblend import Engine
-from cacheblend.store import ChunkKV, RedisStore
+from cacheblend.store import ChunkKV, MemoryStore, RedisStore, TieredStore
 from conftest import PASSAGES, QUERY, make_tiny_model
 from sharer import run_sharers
 
@@ -117,3 +117,39 @@ def test_concurrent_writers_never_show_a_partial_entry(redis_server):
         assert sum(o["seen"] for o in outs) > 0
     finally:
         redis.Redis.from_url(url).flushdb()
+
+
+def test_store_commands_touch_only_their_own_entries(tier):
+    """gc and clear leave the vLLM passage registry (and any other key under the prefix)
+    alone, and a pattern given as a key deletes nothing."""
+    client = redis.Redis.from_url(tier.url)
+    registry, other_key = f"{tier.prefix}:passages", "fa" + "3" * 62
+    client.sadd(registry, "a passage")
+    assert tier.put(KEY, _kv()) and tier.put(other_key, _kv())
+    assert tier.delete("*") is False and tier.delete(f"{KEY[:10]}*") is False
+    assert tier.get(KEY) is not None and tier.get(other_key) is not None
+    assert tier.gc() == {"orphan_layers_removed": 0}
+    tier.clear()
+    assert tier.get(KEY) is None and client.smembers(registry) == {b"a passage"}
+    client.delete(registry)
+
+
+def test_release_takes_exact_keys_only(tmp_path, redis_server, default_model_dir):
+    from cacheblend import CacheBlendError, ChunkHandle
+
+    engine = Engine.load(make_tiny_model(tmp_path / "m", "llama", default_model_dir),
+                         store=TieredStore([MemoryStore(), RedisStore(redis_server.url, prefix="rel")]))
+    handles = engine.ingest(PASSAGES[:2])
+    with pytest.raises(CacheBlendError, match="64 hex digits"):
+        engine.release(ChunkHandle(key="*", num_tokens=1))
+    assert all(engine.store.get(h.key) is not None for h in handles)
+    assert engine.release(handles[:1]) == 1 and engine.store.get(handles[1].key) is not None
+    engine.store.clear()
+
+
+def test_the_password_of_a_redis_url_is_never_shown(caplog):
+    tier = RedisStore("redis://:swordfish@127.0.0.1:1/0", timeout_s=0.2, backoff_s=60)
+    with caplog.at_level("WARNING"):
+        tier.get(KEY)
+    assert "swordfish" not in caplog.text and "unreachable" in caplog.text
+    assert "swordfish" not in str(tier.stats()) and tier.stats()["url"] == "redis://:***@127.0.0.1:1/0"

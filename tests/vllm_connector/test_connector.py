@@ -283,3 +283,11 @@ def test_redis_down_and_back(setup, outputs, blend_llm, redis_server):
     _generate(blend_llm, [(ids, 1, 0.15)])
     load = blend_llm.stats()[-1]
     assert load["store_misses"] == 1 and load["store_unreachable"] == 0 and client.dbsize() >= 1
+
+
+def test_malformed_hints_are_ignored_not_raised():
+    """The scheduler side must never raise over a client's hints (it would kill EngineCore)."""
+    from cacheblend.integrations.vllm import valid_spans
+
+    assert valid_spans([[0, 1e400]], 10) is None and valid_spans([["a", 2]], 10) is None
+    assert valid_spans([[1, 3], [2, 4]], 10) is None and valid_spans([[1, 3]], 10) == [(1, 3)]

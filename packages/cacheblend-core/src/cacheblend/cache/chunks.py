@@ -24,7 +24,7 @@ from ..prompt import PromptBuilder, PromptIds
 from ..results import ChunkHandle
 from ..store import ChunkKV, CorruptEntry, LayerSource, Tier, tier_total
 from ..store.entry import PrefixView
-from .keys import chunk_key
+from .keys import chunk_key, is_entry_key
 
 ATTEMPTS = 3  # a damaged entry is looked up again; the last attempt bypasses the store
 PREFIX_POLICY = "prefix"  # exact K/V of a prompt prefix computed at position 0
@@ -146,6 +146,8 @@ class ChunkCache:
 
     def release(self, handle: ChunkHandle) -> bool:
         """Delete the chunk's entry from every tier (exact key only); whether one was stored."""
+        if not is_entry_key(handle.key):
+            raise CacheBlendError(f"release takes a chunk key (64 hex digits), got {handle.key!r:.80}")
         return bool(self.store.delete(handle.key))
 
     def _prefill_kv(self, ids: list[int], keep_from: int = 0) -> ChunkKV:

@@ -20,3 +20,8 @@ def chunk_key(model_fingerprint: str, token_ids: Sequence[int], policy: str) -> 
     h.update(b"\0")
     h.update(np.asarray(token_ids, dtype="<i8").tobytes())
     return h.hexdigest()
+
+
+def is_entry_key(key: object) -> bool:
+    """A key :func:`chunk_key` makes: 64 lowercase hex digits (a pattern or a name is not)."""
+    return isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)

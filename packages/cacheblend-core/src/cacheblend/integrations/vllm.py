@@ -118,7 +118,7 @@ def valid_spans(spans: Any, n: int) -> list[tuple[int, int]] | None:
     the scheduler must never fail a request over its hints)."""
     try:
         out = [(int(a), int(b)) for a, b in spans]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # e.g. [[0, 1e400]]
         return None
     prev = 0
     for a, b in out:
@@ -126,6 +126,12 @@ def valid_spans(spans: Any, n: int) -> list[tuple[int, int]] | None:
             return None
         prev = b
     return out
+
+
+def _int_list(value: Any) -> list[int] | None:
+    """``value`` as token ids, or None if it is not a list of integers."""
+    ok = isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return list(value) if ok else None
 
 
 def _layer_index(name: str) -> int:
@@ -214,8 +220,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
         op = params.get("cacheblend")
         if op == "ingest" and isinstance(params.get("sink"), int) and 0 <= params["sink"] < len(ids):
             self._ops[request.request_id] = ("ingest", params["sink"])
-        elif op == "release" and isinstance(params.get("ids"), list):
-            self._ops[request.request_id] = ("release", [int(t) for t in params["ids"]])
+        elif op == "release" and _int_list(params.get("ids")) is not None:
+            self._ops[request.request_id] = ("release", _int_list(params["ids"]))
         elif op is not None and op != "ping":  # a ping only asks request_finished who is here
             log.warning("CacheBlend: unknown or malformed operation %r of %s", op, request.request_id)
         if num_external_tokens <= 0:

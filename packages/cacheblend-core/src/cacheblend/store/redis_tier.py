@@ -16,9 +16,11 @@ import json
 import logging
 import threading
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
+from ..cache.keys import is_entry_key
 from .entry import ChunkKV, CorruptEntry, layer_bytes, layer_digest, read_entry, verify_entries
 
 log = logging.getLogger("cacheblend.store")
@@ -65,6 +67,7 @@ class RedisStore:
         import redis
 
         self.url, self.prefix, self.ttl_s, self.backoff_s = url, prefix, ttl_s, backoff_s
+        self.safe_url = redact(url)  # what logs and stats show: never the password
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self._down_until = 0.0
@@ -72,6 +75,12 @@ class RedisStore:
         self.corrupt = 0
         self.unreachable = 0
         self.last_error: str | None = None
+
+    def _is_entry_name(self, name: bytes) -> bool:
+        """``PREFIX:{64 hex}:{meta or a layer index}``: a name this tier wrote."""
+        head, _, rest = name.decode(errors="replace").partition(":")
+        key, _, part = rest.partition(":")
+        return head == self.prefix and is_entry_key(key) and (part == "meta" or part.isdigit())
 
     def entry_name(self, key: str, part: int | str) -> str:
         return f"{self.prefix}:{key}:{part}"
@@ -88,7 +97,7 @@ class RedisStore:
                 self.last_error = f"{type(e).__name__}: {e}"
                 self._down_until = time.monotonic() + self.backoff_s
             log.warning("redis tier %s unreachable (%s); local tiers serve, retry in %.0f s",
-                        self.url, self.last_error, self.backoff_s)
+                        self.safe_url, self.last_error, self.backoff_s)
             return None
 
     @property
@@ -136,6 +145,10 @@ class RedisStore:
         self.delete(key)
 
     def delete(self, key: str) -> bool:
+        """Delete the entry ``key`` (an exact chunk key; a pattern deletes nothing)."""
+        if not is_entry_key(key):
+            return False
+
         def drop(r):
             names = [self.entry_name(key, "meta")] + list(r.scan_iter(match=self.entry_name(key, "*"), count=1000))
             return r.delete(*names) > 0
@@ -147,8 +160,10 @@ class RedisStore:
         return [n.decode().split(":")[-2] for n in found]
 
     def clear(self) -> None:
+        """Delete every entry of this tier, and nothing else under its prefix (the vLLM
+        passage registry, other data)."""
         def drop_all(r):
-            names = list(r.scan_iter(match=f"{self.prefix}:*", count=1000))
+            names = [n for n in r.scan_iter(match=f"{self.prefix}:*", count=1000) if self._is_entry_name(n)]
             for i in range(0, len(names), 1000):
                 r.delete(*names[i : i + 1000])
 
@@ -164,6 +179,8 @@ class RedisStore:
         def sweep(r):
             orphans = 0
             for name in r.scan_iter(match=f"{self.prefix}:*", count=1000):
+                if not self._is_entry_name(name):
+                    continue  # not ours: the passage registry, other data
                 parts = name.decode().split(":")
                 if parts[-1] != "meta" and not r.exists(self.entry_name(parts[-2], "meta")):
                     r.delete(name)
@@ -174,6 +191,15 @@ class RedisStore:
 
     def stats(self) -> dict:
         info = self.call(lambda r: r.info("memory")) or {}
-        return {"tier": "redis", "url": self.url, "entries": len(self.keys()),
+        return {"tier": "redis", "url": self.safe_url, "entries": len(self.keys()),
                 "bytes": info.get("used_memory"), "corrupt": self.corrupt,
                 "unreachable": self.unreachable, "last_error": self.last_error}
+
+
+def redact(url: str) -> str:
+    """``url`` with its password, if any, replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
