@@ -332,15 +332,15 @@ class CacheBlendConnector(KVConnectorBase_V1):
         sink, chunk = save.token_ids[: save.sink], save.token_ids[save.sink :]
         if tuple(sink) != cache.sink:
             raise ValueError(f"ingest sink {sink} is not the engine's chunk sink {list(cache.sink)}")
-        key = cache.handle(chunk).key[:16]
-        if eng.store.open(cache.handle(chunk).key) is not None:
-            self._record({"req_id": save.req_id, "op": "ingest", "key": key, "stored": False})
+        key = cache.handle(chunk).key
+        if eng.store.open(key) is not None:  # already stored: skip reading the blocks
+            self._record({"req_id": save.req_id, "op": "ingest", "key": key[:16], "stored": False})
             return
         k, v = read_blocks(self._kv_caches, self.block_size, save.block_ids, save.sink, len(save.token_ids))
         cos, sin = eng.decoder.rope_tables(torch.arange(save.sink, len(save.token_ids)))
         k = apply_rope(k.float(), cos[None, None].float(), -sin[None, None].float()).to(eng.decoder.shape.dtype)
         stored = cache.save(chunk, ChunkKV(k.contiguous(), v.to(k.dtype).contiguous()))
-        self._record({"req_id": save.req_id, "op": "ingest", "key": key, "stored": stored, "tokens": len(chunk)})
+        self._record({"req_id": save.req_id, "op": "ingest", "key": key[:16], "stored": stored, "tokens": len(chunk)})
 
     def _release(self, ids: list[int]) -> None:
         cache = self.engine().chunks

@@ -202,4 +202,4 @@ def redact(url: str) -> str:
     if parts.password is None:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
