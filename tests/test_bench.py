@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from cacheblend.bench.deviation import sparsity_profile, spearman
+from cacheblend.bench.deviation import sparsity_profile
 from cacheblend.bench.metrics import output_f1, quality
+from cacheblend.bench.stats import spearman
 from cacheblend.bench.tasks import TASKS, load_task
 from cacheblend.cli import app
 from cacheblend.datasets import DataNotFoundError
@@ -47,7 +48,7 @@ def test_sparsity_profile_of_a_known_pattern():
     assert prof["layers"] == [1, 2]
     assert prof["top_share"]["0.05"][0] > 0.95
     assert prof["rank_correlation_next_layer"][0] > 0.5
-    assert spearman(torch.arange(10.0), torch.arange(10.0)) == pytest.approx(1.0)
+    assert spearman(list(range(10)), list(range(10))) == pytest.approx(1.0)
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +139,30 @@ json.dump({"peer": "stand-in", "records": recs}, open(args[args.index("--out") +
     peers = {r["variant"]: r for r in report["records"] if r.get("peer")}
     assert set(peers) == {"vllm_full", "vllm_apc"} and peers["vllm_full"]["peer"] == "stand-in"
     assert peers["vllm_full"]["first_token_agreement"] == 0.0 and peers["vllm_full"]["examples"] == 1
+
+
+def test_fidelity_study_reports_intervals_and_paired_differences(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "study.json"
+    rc = app(["bench", "--model", str(tiny_folder), "--fidelity-only", "--dataset", "hotpotqa,samsum",
+              "--limit", "2", "--chunks", "2", "--max-new-tokens", "3",
+              "--variants", "reuse;blend@1.0;blend@guard:max_risk=0",
+              "--json", str(out), "--plots", str(tmp_path / "plots")])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    pooled = {r["variant"]: r for r in report["study"]["all"]}
+    assert set(pooled) == {"reuse", "blend@1.0", "blend@guard:max_risk=0", report["study"]["baselines"][0]}
+    for name in ("blend@1.0", "blend@guard:max_risk=0"):  # exact: full prefill's answers, interval [1, 1]
+        r = pooled[name]
+        assert r["prompts"] == 4 and r["agree"] == {"mean": 1.0, "low": 1.0, "high": 1.0, "n": 4}
+        assert r["kl"]["high"] == pytest.approx(0.0, abs=1e-4) and r["exact"] == 1.0
+    assert pooled["blend@guard:max_risk=0"]["escalated"] == 1.0
+    vs = pooled["reuse"]["vs"][report["study"]["baselines"][0]]
+    assert vs["kl"]["low"] <= vs["kl"]["mean"] <= vs["kl"]["high"]
+    assert len(report["samples"]) == 4 * 5  # prompts x (full + 4 variants)
+    assert (tmp_path / "plots" / "fidelity_frontier.png").stat().st_size > 10_000
+    assert "paired differences" in capsys.readouterr().out
+
+
+def test_fidelity_study_rejects_bad_variants(tiny_folder):
+    with pytest.raises(SystemExit, match="not field=value"):
+        app(["bench", "--model", str(tiny_folder), "--fidelity-only", "--variants", "blend@0.1:colour=red"])

@@ -68,12 +68,15 @@ def test_documents_kwarg_and_bind_reach_the_model_as_chunks(llm, example):
     assert _stats(again)["chunks"] == len(ex.passages)
     assert _stats(again)["store_hits"] >= len(ex.passages)
     usage = again.usage_metadata
-    assert usage["input_token_details"]["cache_read"] == _stats(again)["reused_tokens"] > 0
+    details = usage["input_token_details"]  # exact cache reads and approximate reuse, apart
+    assert details["cache_read"] + details["cacheblend_approximate"] == _stats(again)["reused_tokens"]
+    assert details["cacheblend_approximate"] == _stats(again)["fidelity"]["approximate_tokens"] > 0
+    assert _stats(again)["fidelity"]["exact"] is False and 0 < _stats(again)["fidelity"]["risk"] <= 1
     assert usage["input_tokens"] == _stats(again)["prompt_tokens"]
     assert again.response_metadata["ttft_s"] > 0
     # the same chunks with every token recomputed is full prefill
     full = llm.invoke(messages, documents=ex.passages, method="full")
-    assert _stats(full)["reused_tokens"] == 0
+    assert _stats(full)["reused_tokens"] == 0 and _stats(full)["fidelity"]["exact"] is True
     assert full.usage_metadata["input_tokens"] == usage["input_tokens"]
 
 

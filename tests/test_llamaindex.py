@@ -116,6 +116,7 @@ def test_complete_chat_and_streams(llm):
     assert usage["prompt_tokens"] == stats["prompt_tokens"] > 0
     assert 0 < usage["completion_tokens"] == stats["new_tokens"] <= 8
     assert stats["ttft_s"] > 0 and stats["finish_reason"] in ("stop", "length")
+    assert set(stats["fidelity"]) >= {"exact", "ratio_used", "risk", "escalated", "approximate_tokens"}
 
     messages = [ChatMessage(role="system", content="Answer in one word."),
                 ChatMessage(role="user", content="What colour is the sky?")]
@@ -209,6 +210,7 @@ def test_synthesizer_blends_the_nodes(llm, nodes):
     assert stats["chunks"] == len(nodes) and stats["store_hits"] >= len(nodes)
     assert stats["store_misses"] <= 1  # at most the system prefix, on its first use
     assert stats["reused_tokens"] > 0 and stats["recomputed_tokens"] > 0 and stats["ttft_s"] > 0
+    assert stats["fidelity"]["exact"] is False and stats["fidelity"]["ratio_used"] > 0
     assert r.source_nodes[0].node.metadata["cacheblend_key"] == nodes[0].metadata["cacheblend_key"]
 
     streaming = CacheBlendSynthesizer(llm=llm, streaming=True).synthesize(QUESTION, scored)

@@ -100,7 +100,9 @@ def test_remote_engine_blends_and_ratio_one_is_vllms_full_prefill(server, remote
     load = stats(server)[-1]
     assert load["op"] == "load" and load["recompute_ratio"] == 0.15
     assert load["store_hits"] == len(example.passages) and load["store_misses"] == 0
-    assert blend.usage["cached_tokens"] == load["reused"] > 0  # the client's plan is what the worker did
+    assert blend.usage["approximate_tokens"] == load["reused"] > 0  # the client's plan is what the worker did
+    assert blend.usage["cached_tokens"] == 0 and load["fidelity"]["approximate_tokens"] == load["reused"]
+    assert not blend.stats.exact and exact.stats.exact and load["fidelity"]["risk"] > 0
     assert blend.usage["prompt_tokens"] == full.usage["prompt_tokens"] == load["prompt_tokens"]
     assert blend_text.split()[:1] == full_text.split()[:1]  # this example's first word survives blending
     assert 0 < blend.ttft_s and blend.finish_reason == "length"
@@ -116,7 +118,8 @@ def test_langchain_chat_model_on_the_server(server, remote, example):
     exact = llm.invoke(question, documents=example.passages, recompute_ratio=1.0)
     full = llm.invoke(question, documents=example.passages, method="full")
     assert exact.content == full.content and reply.content
-    assert reply.usage_metadata["input_token_details"]["cache_read"] > 0
+    assert reply.usage_metadata["input_token_details"]["cacheblend_approximate"] > 0
+    assert reply.response_metadata["cacheblend"]["fidelity"]["exact"] is False
     assert reply.response_metadata["model_name"] == remote.model_name
     streamed = list(llm.stream(question, documents=example.passages))
     assert "".join(c.content for c in streamed) == reply.content
@@ -135,7 +138,7 @@ def test_llamaindex_llm_on_the_server(server, remote, example):
     prompt = "\n\n".join(example.passages) + f"\n\nQuestion: {example.question}"
     done = llm.complete(prompt, formatted=True)
     full = llm.complete(prompt, formatted=True, method="full")
-    assert done.raw["usage"]["cached_tokens"] > 0 and done.raw["cacheblend"]["chunks"] == len(example.passages)
+    assert done.raw["usage"]["approximate_tokens"] > 0 and done.raw["cacheblend"]["chunks"] == len(example.passages)
     assert done.text.split()[:1] == full.text.split()[:1]
     last = list(llm.stream_chat([ChatMessage(role=MessageRole.USER, content=prompt)]))[-1]
     assert last.message.content == done.text and last.raw["usage"]["completion_tokens"] == 8

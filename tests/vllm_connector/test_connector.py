@@ -291,3 +291,26 @@ def test_malformed_hints_are_ignored_not_raised():
 
     assert valid_spans([[0, 1e400]], 10) is None and valid_spans([["a", 2]], 10) is None
     assert valid_spans([[1, 3], [2, 4]], 10) is None and valid_spans([[1, 3]], 10) == [(1, 3)]
+
+
+def test_fidelity_receipt_and_guard_in_the_marker(setup, plain, blend_llm):
+    """Every blended answer says how it was made (the worker's receipt reaches the response
+    marker, also for a one-token answer); the guard at risk limit 0 escalates to exact
+    prefill and gives plain vLLM's token."""
+    from vllm import SamplingParams, TokensPrompt
+
+    ids = setup["prompts"][1]
+
+    def ask(params: dict, max_tokens: int = 1) -> tuple[int, dict]:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args={"kv_transfer_params": params})
+        (out,) = blend_llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
+        return out.outputs[0].token_ids[0], out.kv_transfer_params["cacheblend"]["fidelity"]
+
+    for max_tokens in (1, 3):
+        _, receipt = ask({"recompute_ratio": 0.15}, max_tokens)
+        assert receipt is not None, f"no receipt with max_tokens={max_tokens}"
+        assert receipt["exact"] is False and abs(receipt["ratio_used"] - 0.15) < 0.01
+        assert 0 < receipt["risk"] <= 1 and not receipt["escalated"] and receipt["approximate_tokens"] > 0
+    token, receipt = ask({"recompute_ratio": "guard", "max_risk": 0.0})
+    assert receipt["escalated"] and receipt["exact"] and receipt["ratio_used"] == 1.0
+    assert token == plain[1][0][0]

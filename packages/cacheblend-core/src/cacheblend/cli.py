@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from ._version import __version__
-from .config import KV_DTYPES, METHODS, RequestOptions
+from .config import KV_DTYPES, METHODS, RATIO_MODES, RequestOptions
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -74,7 +74,8 @@ def cmd_ask(args) -> int:
     engine = _engine(args)
     run = engine.start(args.question, texts, method=args.method, recompute_ratio=args.ratio,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, system=args.system,
-                       preamble=args.preamble, seed=args.seed, stop=tuple(args.stop), timeout=args.timeout)
+                       preamble=args.preamble, seed=args.seed, stop=tuple(args.stop), timeout=args.timeout,
+                       max_risk=args.max_risk)
     for piece in run.pieces:
         print(piece, end="", flush=True)
     print()
@@ -130,12 +131,12 @@ def _default_store(spec: str | None) -> str:
 
 
 def _ratio(text: str) -> float | str:
-    if text == "auto":
+    if text in RATIO_MODES:
         return text
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number within [0, 1] or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a number within [0, 1], 'auto' or 'guard', got {text!r}") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -168,7 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", nargs="+", type=Path, default=[], help="chunk files, in prompt order")
     p.add_argument("--method", default=DEFAULTS.method, choices=list(METHODS))
     p.add_argument("--ratio", type=_ratio, default=DEFAULTS.recompute_ratio,
-                   help=f"recompute ratio for blend, or 'auto' (default {DEFAULTS.recompute_ratio})")
+                   help=f"recompute ratio for blend, 'auto' (the loading controller) or 'guard' (escalate risky "
+                        f"prompts, see --max-risk) (default {DEFAULTS.recompute_ratio})")
+    p.add_argument("--max-risk", type=float, default=DEFAULTS.max_risk, metavar="RISK",
+                   help="risk limit of the quality guard (with --ratio guard, or alone): a riskier answer "
+                        "is recomputed at larger ratios, up to full prefill")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     p.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
     p.add_argument("--system", default=None, help="system message")

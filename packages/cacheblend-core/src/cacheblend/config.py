@@ -26,6 +26,12 @@ METHODS = ("full", "prefix", "reuse", "blend")
 DEVIATIONS = ("v", "k", "kv")
 CHUNK_SINKS = ("bos", "frame")
 KV_DTYPES = ("float32", "bfloat16", "float16")
+SELECTIONS = ("deviation", "attention", "impact")
+CHUNK_BUDGETS = ("global", "attention")
+RATIO_MODES = ("auto", "guard")
+# RequestOptions fields that shape the selection (BlendConfig) besides the ratio
+SELECTION_FIELDS = ("check_layers", "deviation", "gradual", "selection", "chunk_heads", "chunk_budget", "max_risk")
+GUARD_MAX_RISK = 0.5  # the guard's default risk limit (chosen on dev, docs/fidelity.md)
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,15 @@ class BlendConfig:
     (``"v"``, the official choice), pre-RoPE keys (``"k"``) or both.  With ``gradual``
     and several check layers, the first check keeps ``gradual_start`` × r (capped at 1)
     and the kept share shrinks linearly to r at the last check layer.
+
+    ``selection`` ranks the candidates (:mod:`cacheblend.blend.selection`): by deviation
+    (HKVD, the paper's), by the question's ``"attention"`` at the check layer, or by
+    ``"impact"`` (attention × value error).  ``chunk_heads`` recomputes the first k tokens of
+    every reused chunk first; ``chunk_budget="attention"`` spreads the budget over chunks
+    by the question's attention to them.  ``max_risk`` turns on the quality guard: a
+    prefill whose fidelity risk (:func:`cacheblend.blend.fusor.first_token_risk`) is above
+    it runs again at each ratio of ``guard_ladder`` in turn (1.0: exact, full prefill's K/V)
+    until the risk is within the limit.
     """
 
     recompute_ratio: float = 0.15
@@ -45,6 +60,11 @@ class BlendConfig:
     deviation: str = "v"
     gradual: bool = False
     gradual_start: float = 2.0
+    selection: str = "deviation"
+    chunk_heads: int = 0
+    chunk_budget: str = "global"
+    max_risk: float | None = None
+    guard_ladder: tuple[float, ...] = (0.5, 1.0)
 
     def __post_init__(self) -> None:
         r = self.recompute_ratio
@@ -63,8 +83,26 @@ class BlendConfig:
             raise ValueError(f"check_layers must be distinct, ascending and >= 0, got {layers}")
         if self.gradual_start < 1.0:
             raise ValueError("gradual_start must be >= 1")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if self.chunk_budget not in CHUNK_BUDGETS:
+            raise ValueError(f"chunk_budget must be one of {CHUNK_BUDGETS}, got {self.chunk_budget!r}")
+        if isinstance(self.chunk_heads, bool) or not isinstance(self.chunk_heads, int) or self.chunk_heads < 0:
+            raise ValueError(f"chunk_heads must be an int >= 0, got {self.chunk_heads!r}")
+        f = self.max_risk
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
+            raise ValueError(f"max_risk must be a risk limit within [0, 1] or None, got {f!r}")
+        ladder = tuple(self.guard_ladder)
+        if not ladder or any(not 0 < x <= 1 for x in ladder) or sorted(ladder) != list(ladder):
+            raise ValueError(f"guard_ladder must be ascending ratios within (0, 1], got {ladder}")
+        object.__setattr__(self, "guard_ladder", ladder)
         object.__setattr__(self, "check_layers", layers)
         object.__setattr__(self, "recompute_ratio", float(r))
+
+    @property
+    def uses_attention(self) -> bool:
+        """Whether the selection reads the question's attention at the check layer."""
+        return self.selection != "deviation" or self.chunk_budget == "attention"
 
     def validate_for(self, num_layers: int) -> None:
         if self.check_layers[-1] >= num_layers:
@@ -128,6 +166,10 @@ class RequestOptions:
     check_layers: Sequence[int] = _BLEND.check_layers
     deviation: str = _BLEND.deviation
     gradual: bool = _BLEND.gradual
+    selection: str = _BLEND.selection
+    chunk_heads: int = _BLEND.chunk_heads
+    chunk_budget: str = _BLEND.chunk_budget
+    max_risk: float | None = _BLEND.max_risk
     max_new_tokens: int = _SAMPLING.max_new_tokens
     temperature: float = _SAMPLING.temperature
     top_p: float = _SAMPLING.top_p
@@ -161,8 +203,8 @@ class RequestOptions:
             raise CacheBlendError(f"timeout must be a positive number of seconds or None, got {opts.timeout!r}")
         if not isinstance(opts.learn, bool):
             raise CacheBlendError(f"learn must be True or False, got {opts.learn!r}")
-        if isinstance(opts.recompute_ratio, str) and opts.recompute_ratio != "auto":
-            raise CacheBlendError(f"recompute_ratio must be a share within [0, 1] or 'auto', "
+        if isinstance(opts.recompute_ratio, str) and opts.recompute_ratio not in RATIO_MODES:
+            raise CacheBlendError(f"recompute_ratio must be a share within [0, 1], 'auto' or 'guard', "
                                   f"got {opts.recompute_ratio!r}")
         opts.blend()
         opts.sampling()
@@ -172,14 +214,25 @@ class RequestOptions:
     def auto(self) -> bool:
         return self.method == "blend" and self.recompute_ratio == "auto"
 
+    @property
+    def guard(self) -> bool:
+        return self.method == "blend" and self.recompute_ratio == "guard"
+
     def blend(self, num_layers: int | None = None) -> BlendConfig:
-        """The HKVD selection (ratio 0 unless blending; ``quality_floor`` to start ``auto``)."""
-        ratio = (self.quality_floor if self.auto else self.recompute_ratio) if self.method == "blend" else 0.0
+        """The selection (ratio 0 unless blending; ``quality_floor`` to start ``auto`` and
+        ``guard``; the guard's risk limit is ``max_risk``, else :data:`GUARD_MAX_RISK`)."""
+        ratio = (self.quality_floor if self.auto or self.guard else self.recompute_ratio) \
+            if self.method == "blend" else 0.0
+        max_risk = self.max_risk if self.method == "blend" else None
+        if self.guard and max_risk is None:
+            max_risk = GUARD_MAX_RISK
         try:
             if not isinstance(self.quality_floor, (int, float)) or not 0.0 <= self.quality_floor <= 1.0:
                 raise ValueError(f"quality_floor must be within [0, 1], got {self.quality_floor!r}")
             config = BlendConfig(recompute_ratio=ratio, check_layers=self.check_layers,  # type: ignore[arg-type]
-                                 deviation=self.deviation, gradual=self.gradual)
+                                 deviation=self.deviation, gradual=self.gradual, selection=self.selection,
+                                 chunk_heads=self.chunk_heads, chunk_budget=self.chunk_budget,
+                                 max_risk=max_risk)
             if num_layers is not None:
                 config.validate_for(num_layers)
         except (TypeError, ValueError) as e:

@@ -27,7 +27,7 @@ from typing import Any
 from .backend import Answering, check_request
 from .cache.keys import chunk_key
 from .chat import chunk_spans, plan_chat
-from .config import METHODS, EngineConfig, RequestOptions
+from .config import METHODS, SELECTION_FIELDS, EngineConfig, RequestOptions
 from .errors import CacheBlendError
 from .passages import PassageIndex
 from .prompt import PromptBuilder, PromptIds
@@ -255,11 +255,15 @@ class RemoteEngine(Answering):
         stats = BlendStats(method=opts.method, recompute_ratio=blend.recompute_ratio, prompt_tokens=len(ids),
                            reused_tokens=chunk_tokens - recomputed, recomputed_tokens=recomputed,
                            chunks=len(spans), chunks_learned=learned)
+        # The streamed answer carries no marker: the receipt is what was asked for (the
+        # server's guard may escalate; its own receipt is in non-streamed responses).
+        stats.exact, stats.ratio_used = not spans or blend.recompute_ratio >= 1.0, blend.recompute_ratio
+        stats.risk = 0.0 if stats.exact else None
         params: dict[str, Any] = {"method": opts.method}
         if spans:
             params |= {"chunks": [list(s) for s in spans], "recompute_ratio": blend.recompute_ratio,
-                       "check_layers": list(blend.check_layers), "deviation": blend.deviation,
-                       "gradual": blend.gradual}
+                       **{f: getattr(blend, f) for f in SELECTION_FIELDS}}
+            params["check_layers"] = list(blend.check_layers)
 
         def stream():
             return self.client.completions.create(

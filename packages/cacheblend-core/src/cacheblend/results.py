@@ -42,6 +42,33 @@ class BlendStats:
     new_tokens: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     controller: dict | None = None  # what the loading controller chose and why
+    # The fidelity receipt: was the prefill exact (equal to full prefill: full, prefix-only,
+    # or every reused token recomputed), the share of approximately reused tokens actually
+    # recomputed, the estimated fidelity risk of what stayed stale, and whether the guard
+    # raised the ratio above the request's.
+    exact: bool = True
+    ratio_used: float = 0.0
+    risk: float | None = None  # None: not known (a streamed answer from a vLLM server)
+    escalated: bool = False
+    exact_cached_tokens: int = 0  # of reused_tokens: read from exact caches (the prefix)
+
+    def take_prefill(self, report: Any) -> None:
+        """Token counts and the fidelity receipt of a fused prefill (a ``FusionReport``)."""
+        self.prompt_tokens, self.reused_tokens = report.prompt_tokens, report.reused_tokens
+        self.recomputed_tokens, self.computed_tokens = report.recomputed_tokens, report.computed_tokens
+        self.exact, self.ratio_used, self.risk = report.exact, report.ratio_used, report.risk
+        self.escalated, self.exact_cached_tokens = report.escalated, report.exact_cached_tokens
+
+    @property
+    def approximate_tokens(self) -> int:
+        """Reused tokens whose K/V came from a chunk cache and were not recomputed."""
+        return self.reused_tokens - self.exact_cached_tokens
+
+    def receipt(self) -> dict[str, Any]:
+        """The fidelity receipt, as adapters put it in their response metadata."""
+        return {"exact": self.exact, "method": self.method, "recompute_ratio": self.recompute_ratio,
+                "ratio_used": self.ratio_used, "risk": self.risk, "escalated": self.escalated,
+                "exact_cached_tokens": self.exact_cached_tokens, "approximate_tokens": self.approximate_tokens}
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -62,11 +89,16 @@ class Result:
     @property
     def usage(self) -> dict[str, int]:
         """Token counts as OpenAI-style APIs report them; ``cached_tokens`` are prompt
-        tokens whose K/V came from a cache (reused chunks not recomputed, exact prefix)."""
+        tokens read from an exact cache (the prefix), ``approximate_tokens`` those reused
+        from chunk caches without recompute (CacheBlend's approximation)."""
         s = self.stats
         return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
-                "total_tokens": s.prompt_tokens + s.new_tokens, "cached_tokens": s.reused_tokens}
+                "total_tokens": s.prompt_tokens + s.new_tokens, "cached_tokens": s.exact_cached_tokens,
+                "approximate_tokens": s.approximate_tokens}
 
     def metadata(self) -> dict[str, Any]:
-        """TTFT, finish reason and the blend stats, for a framework's response metadata."""
-        return {"ttft_s": self.ttft_s, "finish_reason": self.finish_reason, **self.stats.as_dict()}
+        """TTFT, finish reason, the blend stats and the fidelity receipt (``"fidelity"``: was
+        the answer computed exactly as full prefill would, and if not, how much was
+        recomputed and how risky the rest is), for a framework's response metadata."""
+        return {"ttft_s": self.ttft_s, "finish_reason": self.finish_reason, **self.stats.as_dict(),
+                "approximate_tokens": self.stats.approximate_tokens, "fidelity": self.stats.receipt()}

@@ -46,7 +46,9 @@ class ChatCacheBlend(BaseChatModel):
     not seen (``learn_passages``) so the next prompt that holds them reuses them.
 
     Every response carries ``usage_metadata`` (``input_token_details.cache_read``: prompt
-    tokens served from caches) and ``response_metadata["cacheblend"]`` (TTFT and stats).
+    tokens read from exact caches; ``cacheblend_approximate``: tokens reused from chunk
+    caches without recompute) and ``response_metadata["cacheblend"]`` (TTFT, stats and the
+    fidelity receipt under ``"fidelity"``: exact or approximate, ratio used, risk, guard).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True, extra="forbid")
@@ -272,10 +274,13 @@ class ChatCacheBlend(BaseChatModel):
     # -- results -------------------------------------------------------------------------
     def _metadata(self, result: Result) -> dict[str, Any]:
         usage = result.usage
+        # cache_read: exact cache reads (the prefix); CacheBlend's approximate reuse of chunk
+        # caches is counted apart, so no one mistakes it for an exact hit.
+        details = {"cache_read": usage["cached_tokens"], "cacheblend_approximate": usage["approximate_tokens"]}
         return {
             "usage_metadata": UsageMetadata(
                 input_tokens=usage["prompt_tokens"], output_tokens=usage["completion_tokens"],
-                total_tokens=usage["total_tokens"], input_token_details={"cache_read": usage["cached_tokens"]},
+                total_tokens=usage["total_tokens"], input_token_details=details,  # type: ignore[typeddict-item]
                 output_token_details={},
             ),
             "response_metadata": {"model_name": self.model_name,

@@ -12,8 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import KV_DTYPES
+from ..config import CHUNK_SINKS, KV_DTYPES
 from .tasks import TASK_FILES, TASKS, load_task
+
+BASELINE = "blend@0.15:selection=deviation:chunk_heads=0"  # the paper's HKVD (V deviation, layer 1)
+DEFAULT_VARIANTS = "reuse;blend@0.15;blend@guard"
 
 
 def add_parser(sub) -> None:
@@ -30,6 +33,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="dtype chunk caches are stored in "
                    "(default: the model's)")
+    p.add_argument("--chunk-sink", default=None, choices=CHUNK_SINKS,
+                   help="what chunk caches are precomputed after (default: the engine's, 'bos')")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the data directory (the folder holding musique_s.json ...); default: $CACHEBLEND_DATA")
@@ -40,6 +45,17 @@ def add_parser(sub) -> None:
                         "default: $CACHEBLEND_VLLM_PYTHON")
     p.add_argument("--deviation", type=int, default=0, metavar="N",
                    help="KV-deviation sparsity profile over N prompts of the first data set (0: off)")
+    p.add_argument("--fidelity-only", action="store_true",
+                   help="the fidelity study: every --variants spec against full prefill, single-shot timing, "
+                        "95%% bootstrap intervals and paired differences against --baseline")
+    p.add_argument("--variants", default=None, metavar="SPECS",
+                   help="with --fidelity-only: ';'-separated method[@ratio][:field=value...] "
+                        f"(default: {DEFAULT_VARIANTS!r})")
+    p.add_argument("--baseline", default=BASELINE, metavar="SPEC",
+                   help="with --fidelity-only: the variant paired differences are taken against "
+                        "(also run; default: today's HKVD selection)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help="with --fidelity-only: tokens generated per answer (default: the data set's)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the records here")
     p.add_argument("--plots", default="bench-out", metavar="DIR", help="folder for the PNGs ('' for none)")
     p.set_defaults(func=main)
@@ -57,11 +73,20 @@ def main(args) -> int:
 
     torch.set_num_threads(args.threads)
     datasets, methods, chunk_counts, python = _checked(args)
-    engine = Engine.load(args.model, store="memory", kv_dtype=args.kv_dtype)  # memory: no background disk writes
+    sink = {"chunk_sink": args.chunk_sink} if args.chunk_sink else {}
+    engine = Engine.load(args.model, store="memory", kv_dtype=args.kv_dtype, **sink)  # memory: no background writes
     t0 = time.perf_counter()
-    records, groups = _run(engine, args, datasets, methods, chunk_counts)
     report: dict[str, Any] = {"command": "cacheblend bench " + " ".join(sys.argv[2:]),
-                              "machine": _machine(args.threads), "records": records}
+                              "machine": _machine(args.threads)}
+    if args.fidelity_only:
+        from .fidelity import study
+
+        report |= study(engine, args, datasets, max(chunk_counts))
+        report["seconds"] = time.perf_counter() - t0
+        _write(report, args)
+        return 0
+    records, groups = _run(engine, args, datasets, methods, chunk_counts)
+    report["records"] = records
     if python is not None:  # --peers vllm
         try:
             report["records"] += _peers(engine, groups, python)
@@ -95,6 +120,14 @@ def _checked(args) -> tuple[list[str], list[str], list[int], Path | None]:
     if bad:
         raise SystemExit(f"cacheblend bench: unknown methods {sorted(bad)}")
     chunk_counts = [int(x) for x in args.chunks.split(",")]
+    if args.fidelity_only:
+        from ..errors import CacheBlendError
+        from .fidelity import specs_of
+
+        try:
+            specs_of(args.variants, args.baseline)
+        except CacheBlendError as e:
+            raise SystemExit(f"cacheblend bench: {e}") from None
     try:  # a data directory and, for peers, the vLLM interpreter
         for d in datasets:
             data_file(TASK_FILES[d], args.data)
@@ -135,7 +168,13 @@ def _write(report: dict[str, Any], args) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"records: {args.json}")
-    if args.plots:
+    if args.plots and "study" in report:
+        out = Path(args.plots)
+        out.mkdir(parents=True, exist_ok=True)
+        path = plots.fidelity_frontier(report["study"]["all"], out / "fidelity_frontier.png")
+        if path is not None:
+            print(f"plot: {path}")
+    elif args.plots:
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)
         made = [plots.ttft_vs_chunks(report["records"], out / "ttft_vs_chunks.png"),

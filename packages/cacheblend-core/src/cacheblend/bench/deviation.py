@@ -14,6 +14,7 @@ import torch
 from ..blend.fusor import KVCache, Segment, fused_prefill
 from ..blend.selection import BlendConfig
 from ..engine import Engine
+from .stats import spearman
 from .tasks import Example, Task
 
 TOP_SHARES = (0.01, 0.05, 0.10, 0.15, 0.20, 0.30, 0.50)
@@ -45,16 +46,6 @@ def token_deviation(engine: Engine, task: Task, ex: Example) -> torch.Tensor:
     return torch.cat(rows, dim=1)
 
 
-def _ranks(x: torch.Tensor) -> torch.Tensor:
-    return x.argsort().argsort().float()
-
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    ra, rb = _ranks(a), _ranks(b)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-12))
-
-
 def sparsity_profile(deviations: list[torch.Tensor]) -> dict:
     """Per layer (from 1; layer 0 K/V depend on the token alone, so it never deviates):
     the share of squared deviation held by the top k % of tokens, averaged over prompts,
@@ -71,6 +62,6 @@ def sparsity_profile(deviations: list[torch.Tensor]) -> dict:
                 vals.append(float(row[:k].sum() / row.sum().clamp_min(1e-12)))
             share[f"{s:g}"].append(sum(vals) / len(vals))
         if layer + 1 < layers:
-            corr.append(sum(spearman(d[layer], d[layer + 1]) for d in deviations) / len(deviations))
+            corr.append(sum(spearman(d[layer].tolist(), d[layer + 1].tolist()) for d in deviations) / len(deviations))
     return {"layers": list(range(1, layers)), "top_share": share, "rank_correlation_next_layer": corr,
             "prompts": len(deviations)}

@@ -84,3 +84,34 @@ def deviation_sparsity(profile: dict, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def fidelity_frontier(records: list[dict], path: Path) -> Path | None:
+    """The fidelity study's frontier: median TTFT speed-up over full prefill against
+    first-token agreement and against first-token KL, one point per variant with its 95 %
+    interval; the Pareto-optimal variants are joined."""
+    pts = [r for r in records if r["variant"] != "full"]
+    if not pts:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, metric, better in ((axes[0], "agree", max), (axes[1], "kl", min)):
+        for r in pts:
+            m = r[metric]
+            ax.errorbar(r["speedup_median"], m["mean"], yerr=[[m["mean"] - m["low"]], [m["high"] - m["mean"]]],
+                        fmt="o", capsize=3, label=r["variant"])
+        front, best = [], None
+        for r in sorted(pts, key=lambda r: -r["speedup_median"]):  # fastest first: keep what improves
+            v = r[metric]["mean"]
+            if best is None or better(v, best) == v and v != best:
+                front.append((r["speedup_median"], v))
+                best = v
+        ax.plot([x for x, _ in front], [y for _, y in front], "k--", alpha=0.5, label="Pareto frontier")
+        ax.set_xlabel("median TTFT speed-up over full prefill (x)")
+        ax.set_ylabel("first-token agreement" if metric == "agree" else "first-token KL (full ‖ variant)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6, loc="lower left")
+    fig.suptitle("Fidelity to full prefill against speed (95 % bootstrap intervals)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -30,9 +30,9 @@ from ..models.decoder import Decoder, apply_rope
 from ..store.entry import LayerSource
 from .attention import AttentionPlans
 from .loader import LayerLoader
-from .selection import BlendConfig, kv_deviation, select_hkvd
+from .selection import BlendConfig, Candidates, choose, kv_deviation, query_attention
 
-__all__ = ["Capture", "FusionReport", "KVCache", "Segment", "check_deadline", "fused_prefill"]
+__all__ = ["Capture", "FusionReport", "KVCache", "Segment", "check_deadline", "first_token_risk", "fused_prefill"]
 
 # capture(layer, positions, keys_before_rope, values): used by chunk precompute.
 Capture = Callable[[int, Tensor, Tensor, Tensor], None]
@@ -71,6 +71,11 @@ class FusionReport:
     load_s: float = 0.0
     load_exposed_s: float = 0.0
     compute_s: float = 0.0
+    ratio_used: float = 0.0  # recomputed share of the approximate (reused, not exact) tokens
+    risk: float = 0.0  # fidelity risk: see first_token_risk (0 when exact)
+    escalated: bool = False  # the quality guard re-ran it at a larger ratio
+    exact: bool = True  # every K/V is full prefill's: no approximately reused token stayed stale
+    exact_cached_tokens: int = 0  # tokens read from exact caches (a prefix), never computed
 
 
 @dataclass
@@ -83,6 +88,9 @@ class _Layout:
     uncached: Tensor  # bool per position: always computed (the question, gaps)
     row_of: Tensor  # position -> row among the candidates (-1 elsewhere)
     n_candidates: int
+    chunk_of: Tensor  # position -> index of its approximate chunk (-1 elsewhere)
+    offset: Tensor  # position -> offset within its segment
+    question: Tensor  # positions of the uncached tail after the last candidate (the question)
 
 
 def _layout(segments: Sequence[Segment], capacity: int, device: torch.device) -> _Layout:
@@ -96,21 +104,27 @@ def _layout(segments: Sequence[Segment], capacity: int, device: torch.device) ->
     start = 0
     candidate = torch.zeros(n, dtype=torch.bool, device=device)
     uncached = torch.zeros(n, dtype=torch.bool, device=device)
+    chunk_of = torch.full((n,), -1, dtype=torch.long, device=device)
+    offset = torch.zeros(n, dtype=torch.long, device=device)
     for seg in segments:
         end = start + len(seg.token_ids)
         spans.append((start, end, seg))
+        offset[start:end] = torch.arange(end - start, device=device)
         if seg.cached is None:
             uncached[start:end] = True
         elif not seg.exact:
             candidate[start:end] = True
+            chunk_of[start:end] = int(chunk_of.max()) + 1
         start = end
     if not uncached[-1]:
         raise ValueError("the last prompt token must be computed (end the prompt with an uncached segment)")
     n_candidates = int(candidate.sum())
     row_of = torch.full((n,), -1, dtype=torch.long, device=device)
     row_of[candidate] = torch.arange(n_candidates, device=device)
+    last = int(torch.nonzero(candidate).max()) if n_candidates else -1
+    question = torch.nonzero(uncached & (torch.arange(n, device=device) > last)).squeeze(1)
     return _Layout(ids, [(a, b, s) for a, b, s in spans if s.cached is not None], candidate, uncached, row_of,
-                   n_candidates)
+                   n_candidates, chunk_of, offset, question)
 
 
 def fused_prefill(
@@ -153,7 +167,9 @@ def fused_prefill(
 
             if layer in checks and 0.0 < ratio < 1.0:
                 approx_kv = [c for (_, _, s), c in zip(reused_spans, cached, strict=True) if not s.exact]
-                keep = _check(config, checks[layer], active, lay, approx_kv, k, v)
+                q_att = _question_attention(dec, layer, x, active, lay, kv.k[layer, :, :n], cos, sin) \
+                    if config.uses_attention else None
+                keep = _check(config, checks[layer], active, lay, approx_kv, k, v, q_att)
                 if keep is not None:  # HKVD tokens (and uncached ones) go on; the rest keep fresh K/V here
                     active, h, x = active[keep], h[keep], x[keep]
                     plans = AttentionPlans(active, shape.dtype, shape.groups)
@@ -167,11 +183,16 @@ def fused_prefill(
     kv.length = n
     hkvd = active[lay.candidate[active]]
     n_uncached = int(lay.uncached.sum())
+    logits = dec.logits(h[-1:])[0]
+    exact = hkvd.numel() == lay.n_candidates
     return FusionReport(
-        logits=dec.logits(h[-1:])[0], prompt_tokens=n, reused_tokens=n - n_uncached - hkvd.numel(),
+        logits=logits, prompt_tokens=n, reused_tokens=n - n_uncached - hkvd.numel(),
         recomputed_tokens=hkvd.numel(), computed_tokens=n_uncached, hkvd_positions=hkvd,
         active_per_layer=active_per_layer, load_s=loader.load_s, load_exposed_s=loader.exposed_s,
         compute_s=time.perf_counter() - t_start - loader.exposed_s,
+        ratio_used=hkvd.numel() / lay.n_candidates if lay.n_candidates else 1.0,
+        risk=0.0 if exact else first_token_risk(logits), exact=exact,
+        exact_cached_tokens=n - n_uncached - lay.n_candidates,
     )
 
 
@@ -181,6 +202,15 @@ def _reposition(kv: KVCache, layer: int, spans: list[tuple[int, int, Segment]], 
     for (a, b, _), (ck, cv) in zip(spans, cached, strict=True):
         kv.k[layer, :, a:b] = apply_rope(ck, cos[a:b], sin[a:b])
         kv.v[layer, :, a:b] = cv
+
+
+def first_token_risk(logits: Tensor) -> float:
+    """How likely the greedy first token differs from full prefill's: one minus the margin
+    between the two most probable tokens.  Measured on dev, blended answers part from full
+    prefill on near-ties (the right token is a close second); a clear winner survives the
+    approximation (docs/fidelity.md: Spearman against KL, agreement by risk bucket)."""
+    top = torch.topk(torch.softmax(logits.float(), -1), 2).values
+    return float(1.0 - (top[0] - top[1]))
 
 
 def check_deadline(deadline: float | None, where: str) -> None:
@@ -199,6 +229,17 @@ def _write(kv: KVCache, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> 
         kv.v[layer][:, positions] = v
 
 
+def _question_attention(dec: Decoder, layer: int, x: Tensor, active: Tensor, lay: _Layout, keys: Tensor,
+                        cos: Tensor, sin: Tensor) -> Tensor:
+    """The question's attention [n] over every position at this layer (keys of all positions
+    are fresh here: every token was computed up to the check layer)."""
+    rows = torch.searchsorted(active, lay.question)
+    if rows.numel() == 0:
+        return torch.zeros(keys.shape[1], device=keys.device)
+    q = apply_rope(dec.queries(layer, x[rows]), cos[lay.question], sin[lay.question])
+    return query_attention(q, lay.question, keys, dec.scaling)
+
+
 def _check(
     config: BlendConfig,
     check_index: int,
@@ -207,16 +248,20 @@ def _check(
     approx_kv: list[tuple[Tensor, Tensor]],
     k: Tensor,
     v: Tensor,
+    attention: Tensor | None,
 ) -> Tensor | None:
-    """At a check layer, keep the HKVD candidates; return indices into ``active`` to keep."""
+    """At a check layer, keep the chosen candidates; return indices into ``active`` to keep
+    (None: keep all)."""
     is_cand = lay.candidate[active]
     cand_idx = torch.nonzero(is_cand).squeeze(1)
     keep_n = round(config.keep_ratio(check_index) * lay.n_candidates)
     if keep_n >= cand_idx.numel():
         return None
-    rows = lay.row_of[active[cand_idx]]
+    pos = active[cand_idx]
+    rows = lay.row_of[pos]
     cached_k = torch.cat([ck for ck, _ in approx_kv], dim=1)[:, rows]
     cached_v = torch.cat([cv for _, cv in approx_kv], dim=1)[:, rows]
     dev = kv_deviation(k[:, cand_idx], v[:, cand_idx], cached_k, cached_v, config.deviation)
-    chosen = cand_idx[select_hkvd(dev, keep_n)]
+    att = None if attention is None else attention[pos]
+    chosen = cand_idx[choose(config, Candidates(dev, att, lay.chunk_of[pos], lay.offset[pos]), keep_n)]
     return torch.cat([torch.nonzero(~is_cand).squeeze(1), chosen]).sort().values

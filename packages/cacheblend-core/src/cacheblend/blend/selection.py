@@ -1,4 +1,4 @@
-"""HKVD token selection: which reused tokens to recompute.
+"""Token selection: which reused tokens to recompute, and how risky the rest is.
 
 Paper §4.2: the tokens whose K/V deviate most from full prefill (high-KV-deviation,
 HKVD) carry most of the cross-attention the per-chunk caches lack; they are few, and the
@@ -6,16 +6,32 @@ same tokens stay HKVD across neighbouring layers.  So at a *check layer* we comp
 K/V for every still-active reused token, compare with the cached K/V and keep the top
 share; later layers recompute only those.  With *gradual filtering* several check
 layers narrow the set step by step.
+
+Deviation alone ignores whether the question will ever look at a token.  Up to the check
+layer every token is computed, so the question's attention there is full prefill's own;
+it tells which reused tokens the answer reads (query-aware selection, as ProphetKV and
+A³ argue).  The *impact* of leaving token i stale is then its attention times its value
+error, ``a_i · ‖Δv_i‖``: the first-order error it puts into the question's attention
+output.  (Measured on dev, neither beats deviation alone at equal budget on the default
+model; see docs/fidelity.md.)
+
+A selection is a priority order over the candidates: the first ``n`` are recomputed.
+Chunk heads (EPIC: chunk-initial tokens act as attention sinks) come first; with
+per-chunk budgets the order interleaves chunks in proportion to the question's
+attention mass on each.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..config import DEVIATIONS, BlendConfig
 
-__all__ = ["DEVIATIONS", "BlendConfig", "kv_deviation", "select_hkvd"]
+__all__ = ["DEVIATIONS", "BlendConfig", "Candidates", "choose", "impact", "kv_deviation", "priority",
+           "query_attention"]
 
 
 def kv_deviation(
@@ -31,9 +47,69 @@ def kv_deviation(
     return d
 
 
-def select_hkvd(deviation: Tensor, keep: int) -> Tensor:
-    """Indices (ascending) of the ``keep`` tokens with the largest deviation."""
-    keep = max(0, min(keep, deviation.numel()))
-    if keep == deviation.numel():
-        return torch.arange(keep, device=deviation.device)
-    return torch.topk(deviation, keep, sorted=False).indices.sort().values
+def query_attention(q: Tensor, q_pos: Tensor, k: Tensor, scale: float) -> Tensor:
+    """Mean attention probability [n] that the query rows ``q`` [H, m, hd] (RoPE applied, at
+    positions ``q_pos``) give each key of ``k`` [KVH, n, hd] (RoPE applied, positions 0..n-1),
+    averaged over heads and query rows, causal by position."""
+    kvh, n = k.shape[0], k.shape[1]
+    h, m, hd = q.shape
+    grouped = q.float().reshape(kvh, (h // kvh) * m, hd)
+    logits = grouped @ k.float().transpose(1, 2) * scale  # [KVH, g*m, n]
+    hidden = torch.arange(n, device=k.device)[None, :] > q_pos[:, None]  # [m, n]
+    logits = logits.masked_fill(hidden.repeat(h // kvh, 1)[None], float("-inf"))
+    return torch.softmax(logits, dim=-1).mean(dim=(0, 1))
+
+
+@dataclass
+class Candidates:
+    """What the check layer knows of the reused tokens still active (one row each)."""
+
+    deviation: Tensor  # squared K/V deviation (kv_deviation)
+    attention: Tensor | None  # the question's attention (query_attention), same rows; None if unused
+    chunk: Tensor  # index of the chunk each row belongs to
+    offset: Tensor  # position of each row within its chunk
+
+
+def impact(c: Candidates) -> Tensor:
+    """First-order error each stale row puts into the question's attention output."""
+    return _attention(c) * c.deviation.sqrt()
+
+
+def _attention(c: Candidates) -> Tensor:
+    if c.attention is None:
+        raise ValueError("this selection needs the question's attention (BlendConfig.uses_attention)")
+    return c.attention
+
+
+def _score(config: BlendConfig, c: Candidates) -> Tensor:
+    if config.selection == "attention":
+        return _attention(c)
+    if config.selection == "impact":
+        return impact(c)
+    return c.deviation
+
+
+def priority(config: BlendConfig, c: Candidates) -> Tensor:
+    """All rows, most important first."""
+    score = _score(config, c)
+    if config.chunk_budget == "attention":
+        order = torch.argsort(score, descending=True)
+        rank = torch.empty_like(order)
+        # rank within the row's own chunk, in score order
+        for chunk in torch.unique(c.chunk):
+            mine = order[c.chunk[order] == chunk]
+            rank[mine] = torch.arange(mine.numel(), device=rank.device)
+        mass = torch.zeros(int(c.chunk.max()) + 1, device=score.device).index_add_(0, c.chunk, _attention(c))
+        share = (mass / mass.sum().clamp_min(1e-12)).clamp_min(1e-6)
+        key = (rank.float() + 1.0) / share[c.chunk]  # chunk c gets about n · share_c of the first n
+    else:
+        key = -score
+    if config.chunk_heads:
+        key = torch.where(c.offset < config.chunk_heads, key.min() - 1.0 - (config.chunk_heads - c.offset), key)
+    return torch.argsort(key, stable=True)
+
+
+def choose(config: BlendConfig, c: Candidates, keep: int) -> Tensor:
+    """The rows to recompute (ascending): the first ``keep`` by priority."""
+    keep = max(0, min(keep, c.deviation.numel()))
+    return priority(config, c)[:keep].sort().values

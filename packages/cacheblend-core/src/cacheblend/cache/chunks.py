@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -320,8 +320,7 @@ class ChunkCache:
                 counter.bypass_store = attempt == ATTEMPTS - 1
                 segments, blend = lookup(counter)
                 try:
-                    report = fused_prefill(self.decoder, segments, kv, blend, prefetch=self.prefetch,
-                                           deadline=deadline)
+                    report = self._guarded(segments, kv, blend, deadline)
                 except CorruptEntry:
                     counter.corrupt += 1
                     if counter.bypass_store:
@@ -332,4 +331,26 @@ class ChunkCache:
                 break
             # Damage found at open is a miss to the lookup but was counted by its tier.
             counter.corrupt = max(counter.corrupt, tier_total(self.store, "corrupt") - dropped)
+        return report
+
+    def _guarded(self, segments: list[Segment], kv: KVCache, blend: BlendConfig,
+                 deadline: float | None) -> FusionReport:
+        """The fused prefill; with the quality guard on (``blend.max_risk``), a result riskier
+        than the limit is prefilled again at each larger ratio of ``blend.guard_ladder`` until
+        it is within it (the last rung, 1.0, is exact).  Its time counts in the request's TTFT:
+        the guard trades speed on the risky few for fidelity."""
+        report = fused_prefill(self.decoder, segments, kv, blend, prefetch=self.prefetch, deadline=deadline)
+        if blend.max_risk is None or blend.recompute_ratio == 0.0:
+            return report
+        spent = report.compute_s + report.load_s
+        for ratio in blend.guard_ladder:
+            if report.exact or report.risk <= blend.max_risk:
+                break
+            if ratio <= blend.recompute_ratio:
+                continue
+            report = fused_prefill(self.decoder, segments, kv, replace(blend, recompute_ratio=ratio),
+                                   prefetch=self.prefetch, deadline=deadline)
+            report.escalated = True
+            spent += report.compute_s + report.load_s
+        report.compute_s = spent - report.load_s
         return report

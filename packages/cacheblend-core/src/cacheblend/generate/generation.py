@@ -120,8 +120,7 @@ class Generation:
         s.seconds["load_hidden"] = max(0.0, report.load_s - report.load_exposed_s)
         s.seconds["prefill"] = time.perf_counter() - prefill_start - counter.precompute_s - s.seconds["lookup"]
         s.store_hits, s.store_misses, s.store_rejected = counter.hits, counter.misses, counter.rejected
-        s.prompt_tokens, s.reused_tokens = report.prompt_tokens, report.reused_tokens
-        s.recomputed_tokens, s.computed_tokens = report.recomputed_tokens, report.computed_tokens
+        s.take_prefill(report)
 
     # -- the token loop ------------------------------------------------------------------
     def _pieces(self) -> Generator[str, None, None]:

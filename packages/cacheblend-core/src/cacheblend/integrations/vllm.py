@@ -44,7 +44,6 @@ import logging
 import re
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,15 +55,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..cache.chunks import LookupCounter
-from ..config import BlendConfig, ConnectorConfig, RequestOptions
+from ..config import SELECTION_FIELDS, BlendConfig, ConnectorConfig, RequestOptions
 from ..engine import Engine
 from ..errors import CacheBlendError
 from ..generate.decode import KVCache
 from ..models.decoder import apply_rope
 from ..prompt import PromptBuilder
+from ..results import BlendStats
 from ..store import ChunkKV, tier_total
 from .paged import paged_views, read_blocks, write_blocks
 from .registry import REDIS_PASSAGES_KEY, ChunkMatcher, read_passages, register_passages
+from .vllm_meta import BlendLoad, BlendReceipts, CacheBlendMeta, ChunkSave, int_list, request_params, valid_spans
 
 __all__ = ["REDIS_PASSAGES_KEY", "CacheBlendConnector", "ChunkMatcher", "paged_views", "read_passages",
            "register_passages"]
@@ -72,66 +73,6 @@ __all__ = ["REDIS_PASSAGES_KEY", "CacheBlendConnector", "ChunkMatcher", "paged_v
 log = logging.getLogger("vllm.cacheblend")  # under "vllm", so vLLM's log handler shows it
 
 _LOCK = threading.Lock()  # one stats line at a time
-
-
-# ---------------------------------------------------------------- metadata (pickled to the worker)
-
-@dataclass
-class BlendLoad:
-    """One request whose K/V the worker writes: tokens ``[start, len(token_ids) - 1)``."""
-
-    req_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    start: int
-    spans: list[tuple[int, int]]
-    blend: BlendConfig  # the HKVD selection: the server's defaults with the request's options
-
-
-@dataclass
-class ChunkSave:
-    """An ingest request: vLLM computes ``token_ids`` (``sink`` sink ids, then the chunk) and
-    the worker stores the chunk's K/V from ``block_ids`` after the forward."""
-
-    req_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    sink: int
-
-
-@dataclass
-class CacheBlendMeta(KVConnectorMetadata):
-    loads: list[BlendLoad] = field(default_factory=list)
-    saves: list[ChunkSave] = field(default_factory=list)
-    releases: list[list[int]] = field(default_factory=list)  # chunk ids whose entries go
-
-
-def request_params(request: Any) -> dict:
-    """The request's ``kv_transfer_params`` (a dict, or empty)."""
-    params = getattr(request, "kv_transfer_params", None)
-    return params if isinstance(params, dict) else {}
-
-
-def valid_spans(spans: Any, n: int) -> list[tuple[int, int]] | None:
-    """Client-given chunk spans, if they are sorted, disjoint, non-empty and end before the
-    last prompt token (which vLLM must compute); None otherwise (the spans are then ignored:
-    the scheduler must never fail a request over its hints)."""
-    try:
-        out = [(int(a), int(b)) for a, b in spans]
-    except (TypeError, ValueError, OverflowError):  # e.g. [[0, 1e400]]
-        return None
-    prev = 0
-    for a, b in out:
-        if not (prev <= a < b <= n - 1):
-            return None
-        prev = b
-    return out
-
-
-def _int_list(value: Any) -> list[int] | None:
-    """``value`` as token ids, or None if it is not a list of integers."""
-    ok = isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    return list(value) if ok else None
 
 
 def _layer_index(name: str) -> int:
@@ -157,10 +98,13 @@ class CacheBlendConnector(KVConnectorBase_V1):
         self._pending: dict[str, BlendLoad] = {}
         self._ops: dict[str, tuple[str, Any]] = {}  # req_id -> ("ingest", sink) | ("release", ids)
         self._blends: dict[str, BlendConfig | None] = {}  # req_id -> its selection (None: invalid options)
+        self._receipts: dict[str, dict] = {}  # req_id -> fidelity receipt from the worker (scheduler side)
+        self._awaiting: dict[str, dict] = {}  # req_id -> marker returned before its receipt came
         # worker side
         self._engine: Engine | None = None
         self._kv_caches: list[torch.Tensor] = []
         self._failed_blocks: set[int] = set()
+        self._step_receipts: dict[str, dict] = {}  # this step's receipts, for the scheduler side
         self.last_stats: dict[str, Any] = {}
 
     # ---- scheduler side ------------------------------------------------------------
@@ -197,7 +141,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         (the request then runs as plain vLLM) if they are invalid: the scheduler must never
         fail a request over its hints."""
         if req_id not in self._blends:
-            keys = ("method", "recompute_ratio", "check_layers", "deviation", "gradual")
+            keys = ("method", "recompute_ratio", "quality_floor", *SELECTION_FIELDS)
             try:
                 opts = RequestOptions.parse({k: params[k] for k in keys if k in params}, base=self.config.defaults)
                 if opts.auto:
@@ -220,8 +164,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
         op = params.get("cacheblend")
         if op == "ingest" and isinstance(params.get("sink"), int) and 0 <= params["sink"] < len(ids):
             self._ops[request.request_id] = ("ingest", params["sink"])
-        elif op == "release" and _int_list(params.get("ids")) is not None:
-            self._ops[request.request_id] = ("release", _int_list(params["ids"]))
+        elif op == "release" and int_list(params.get("ids")) is not None:
+            self._ops[request.request_id] = ("release", int_list(params["ids"]))
         elif op is not None and op != "ping":  # a ping only asks request_finished who is here
             log.warning("CacheBlend: unknown or malformed operation %r of %s", op, request.request_id)
         if num_external_tokens <= 0:
@@ -268,9 +212,29 @@ class CacheBlendConnector(KVConnectorBase_V1):
         self._pending.pop(request.request_id, None)
         self._ops.pop(request.request_id, None)
         self._blends.pop(request.request_id, None)
+        receipt = self._receipts.pop(request.request_id, None)
         if not request_params(request):
             return False, None
-        return False, {"cacheblend": {"connector": type(self).__name__, "chunks": len(spans)}}
+        marker = {"connector": type(self).__name__, "chunks": len(spans), "fidelity": receipt}
+        if receipt is None and spans:  # blended in this very step: vLLM reads the receipt after this
+            self._awaiting[request.request_id] = marker
+        return False, {"cacheblend": marker}
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' fidelity receipts of this step, kept until their requests finish.
+        vLLM finishes a one-token request before it hands the connector that step's output,
+        so a marker already returned is completed in place (it is sent after this call)."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        for req_id, receipt in getattr(meta, "receipts", {}).items():
+            if req_id in self._awaiting:
+                self._awaiting.pop(req_id)["fidelity"] = receipt
+            else:
+                self._receipts[req_id] = receipt
+        self._awaiting.clear()  # a receipt comes in the step that blended it, or never
+
+    def build_connector_worker_meta(self) -> BlendReceipts | None:
+        receipts, self._step_receipts = self._step_receipts, {}
+        return BlendReceipts(receipts) if receipts else None
 
     # ---- worker side ---------------------------------------------------------------
     def engine(self) -> Engine:
@@ -305,12 +269,17 @@ class CacheBlendConnector(KVConnectorBase_V1):
         counter = LookupCounter()
         unreachable = tier_total(eng.store, "unreachable")
         report = cache.fuse(lambda c: (cache.span_segments(load.token_ids, load.spans, c), load.blend), kv, counter)
+        stats = BlendStats(method="blend" if load.blend.recompute_ratio > 0 else "reuse",
+                           recompute_ratio=load.blend.recompute_ratio)
+        stats.take_prefill(report)
+        self._step_receipts[load.req_id] = stats.receipt()
         self.last_stats = {"req_id": load.req_id, "op": "load", "prompt_tokens": report.prompt_tokens,
                            "chunks": len(load.spans), "recompute_ratio": load.blend.recompute_ratio,
                            "reused": report.reused_tokens, "recomputed": report.recomputed_tokens,
                            "computed": report.computed_tokens, "store_hits": counter.hits,
                            "store_misses": counter.misses, "store_rejected": counter.rejected,
-                           "store_unreachable": tier_total(eng.store, "unreachable") - unreachable}
+                           "store_unreachable": tier_total(eng.store, "unreachable") - unreachable,
+                           "fidelity": self._step_receipts[load.req_id]}
         return kv.k, kv.v
 
     def _write(self, load: BlendLoad, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,0 +1,85 @@
+"""Choose the quality guard's risk limit on dev, from a fidelity study's samples.
+
+The guard runs a blend, and if its first-token risk (one minus the top-two margin) is
+above ``max_risk`` it runs again at each rung of its ladder.  Every rung is a variant the
+study already ran on the same prompts, so the guard's outcome at any limit can be read
+off the samples without running it: the answer of the first rung whose risk is within
+the limit (full prefill at the top: exact), and the TTFT of every rung it climbed.
+
+    cacheblend bench --fidelity-only --split dev ... --variants "reuse;blend@0.15;blend@0.3" --json dev.json
+    python benchmarks/guard_sweep.py dev.json --base "blend@0.15" --ladder "blend@0.3"
+
+Prints, per limit, first-token agreement and KL against full prefill (95 % bootstrap
+intervals), the share of prompts escalated and the median speed-up over full prefill.
+Spearman's rho of the base variant's risk against its KL says how well the risk ranks
+prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from cacheblend.bench.stats import bootstrap, spearman
+
+LIMITS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
+
+
+def by_prompt(samples: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
+    out: dict[tuple[str, int], dict[str, dict]] = defaultdict(dict)
+    for s in samples:
+        out[(s["dataset"], s["example"])][s["variant"]] = s
+    return out
+
+
+def simulate(prompts: dict, rungs: list[str], limit: float) -> dict:
+    """The guard with ``rungs`` (base first; full prefill above the last) at ``limit``."""
+    agree, kl, speed, escalated = [], [], [], 0
+    for runs in prompts.values():
+        spent = 0.0
+        for name in rungs:
+            s = runs[name]
+            spent += s["ttft_s"]
+            if s["risk"] is None or s["risk"] <= limit:
+                agree.append(s["agree"])
+                kl.append(s["kl"])
+                break
+        else:  # every rung too risky: full prefill, exact
+            spent += runs["full"]["ttft_s"]
+            agree.append(1.0)
+            kl.append(0.0)
+        escalated += spent > runs[rungs[0]]["ttft_s"]
+        speed.append(runs["full"]["ttft_s"] / spent)
+    return {"limit": limit, "agree": bootstrap(agree), "kl": bootstrap(kl), "escalated": escalated / len(prompts),
+            "speedup_median": statistics.median(speed)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("study", type=Path, help="JSON written by cacheblend bench --fidelity-only --json")
+    ap.add_argument("--base", default="blend@0.15", help="the variant the guard starts with")
+    ap.add_argument("--ladder", default="", help="';'-separated variants climbed before full prefill")
+    ap.add_argument("--dataset", default=None, help="only this data set")
+    args = ap.parse_args()
+    samples = json.loads(args.study.read_text())["samples"]
+    if args.dataset:
+        samples = [s for s in samples if s["dataset"] == args.dataset]
+    rungs = [args.base] + [r for r in args.ladder.split(";") if r]
+    prompts = {k: v for k, v in by_prompt(samples).items() if all(r in v for r in [*rungs, "full"])}
+    if not prompts:
+        raise SystemExit(f"no prompt has every variant of {rungs + ['full']}")
+    base = [p[args.base] for p in prompts.values()]
+    rho = spearman([s["risk"] for s in base], [s["kl"] for s in base])
+    print(f"{len(prompts)} prompts; rungs {rungs} then full prefill; "
+          f"Spearman rho(risk, KL) of {args.base}: {rho:.2f}")
+    print(f"{'max_risk':>8}  {'1st agree':<24}{'KL':<24}{'escalated':>10}{'speed-up':>10}")
+    for limit in LIMITS:
+        r = simulate(prompts, rungs, limit)
+        print(f"{limit:>8.2f}  {r['agree']!s:<24}{r['kl']!s:<24}{r['escalated']:>10.0%}{r['speedup_median']:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""First-token agreement of the vLLM connector with plain vLLM, next to the core engine's
+agreement with its own full prefill, on the same musique prompts.
+
+    HF_HUB_OFFLINE=1 .venv-vllm/bin/python benchmarks/vllm_fidelity.py --split test --limit 20 \
+        --data ../shared/data --out bench-out/vllm_fidelity.json
+
+The core engine (this process) ingests each prompt's passages into a disk store and
+registers their texts; then plain vLLM answers every prompt (one greedy token), then vLLM
+with the CacheBlend connector answers each prompt once per variant (``--variants``,
+request options sent in ``kv_transfer_params``), returning its fidelity receipt in the
+response marker.  The core runs the same variants against its full prefill.  Agreement is
+reported with a 95 % bootstrap interval; the connector's guard escalations from receipts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+from cacheblend import Engine  # noqa: E402
+from cacheblend.bench.stats import bootstrap  # noqa: E402
+from cacheblend.datasets import QA_PREAMBLE, load_qa  # noqa: E402
+from cacheblend.integrations.vllm import register_passages  # noqa: E402
+
+VARIANTS = {"blend@0.15": {"recompute_ratio": 0.15}, "blend@guard": {"recompute_ratio": "guard"}}
+
+
+def llm(model: str, extra: dict | None):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if extra is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="CacheBlendConnector", kv_connector_module_path="cacheblend.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config=extra)
+    return LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=8192,
+               max_num_batched_tokens=8192, max_num_seqs=1, seed=0, **kw)
+
+
+def first_tokens(engine_llm, prompts: list[list[int]], params: dict | None) -> list[tuple[int, dict | None, float]]:
+    """(first token, receipt, seconds) per prompt, one request at a time."""
+    from vllm import SamplingParams, TokensPrompt
+
+    out = []
+    for ids in prompts:
+        extra = {"kv_transfer_params": params} if params is not None else None
+        sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
+        t = time.perf_counter()
+        (res,) = engine_llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
+        marker = (res.kv_transfer_params or {}).get("cacheblend") or {}
+        out.append((res.outputs[0].token_ids[0], marker.get("fidelity"), time.perf_counter() - t))
+    return out
+
+
+def shutdown(engine_llm) -> None:
+    engine_llm.llm_engine.engine_core.shutdown()
+    del engine_llm
+    gc.collect()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--split", default="test", choices=["dev", "test"])
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--chunks", type=int, default=6)
+    ap.add_argument("--data", default=None, help="the data directory (default: $CACHEBLEND_DATA)")
+    ap.add_argument("--out", type=Path, default=Path("bench-out/vllm_fidelity.json"))
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="cacheblend-vllm-fidelity-"))
+    examples = load_qa("musique", args.split, limit=args.limit, passages=args.chunks, data=args.data)
+    engine = Engine.load(None, store=f"disk:{root / 'kv'}")
+    prompts, core = [], {name: [] for name in VARIANTS}
+    for ex in examples:
+        handles = engine.ingest(ex.passages)
+        prompts.append(engine.prompts.build(ex.query, [list(h.token_ids) for h in handles], None,
+                                            QA_PREAMBLE).all_ids)
+        full = engine.generate(ex.query, handles, method="full", max_new_tokens=1, preamble=QA_PREAMBLE)
+        for name, opts in VARIANTS.items():
+            r = engine.generate(ex.query, handles, max_new_tokens=1, preamble=QA_PREAMBLE, **opts)
+            core[name].append((float(r.token_ids[:1] == full.token_ids[:1]), r.stats.escalated))
+    register_passages(root / "passages.jsonl", [p for ex in examples for p in ex.passages])
+    model = str(engine.model_dir)
+    del engine
+    gc.collect()
+
+    plain_llm = llm(model, None)
+    plain = first_tokens(plain_llm, prompts, None)
+    shutdown(plain_llm)
+    blend_llm = llm(model, {"store": f"disk:{root / 'kv'}", "passages": str(root / "passages.jsonl")})
+    report: dict = {"command": "benchmarks/vllm_fidelity.py " + " ".join(os.sys.argv[1:]), "prompts": len(prompts),
+                    "variants": {}}
+    for name, opts in VARIANTS.items():
+        got = first_tokens(blend_llm, prompts, opts)
+        agree = [float(g[0] == p[0]) for g, p in zip(got, plain, strict=True)]
+        receipts = [g[1] or {} for g in got]
+        report["variants"][name] = {
+            "vllm_agreement": bootstrap(agree).as_dict(),
+            "vllm_escalated": sum(bool(r.get("escalated")) for r in receipts) / len(receipts),
+            "vllm_receipts": sum(1 for g in got if g[1] is not None),
+            "core_agreement": bootstrap([a for a, _ in core[name]]).as_dict(),
+            "core_escalated": sum(e for _, e in core[name]) / len(core[name]),
+        }
+    shutdown(blend_llm)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"{len(prompts)} musique {args.split} prompts, {args.chunks} passages each")
+    print(f"{'variant':<14}{'vLLM agreement':<28}{'escalated':>10}  {'core agreement':<28}{'escalated':>10}")
+    for name, r in report["variants"].items():
+        v, c = r["vllm_agreement"], r["core_agreement"]
+        print(f"{name:<14}{v['mean']:.3f} [{v['low']:.3f}, {v['high']:.3f}]{'':<6}{r['vllm_escalated']:>9.0%}  "
+              f"{c['mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}]{'':<6}{r['core_escalated']:>9.0%}")
+    print(f"written: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

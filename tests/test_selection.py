@@ -1,0 +1,161 @@
+"""Selection beyond the paper's HKVD: query-aware scores, chunk heads, per-chunk budgets,
+the quality guard, the fidelity receipt, and the study's statistics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cacheblend.bench.fidelity import parse_spec
+from cacheblend.bench.stats import bootstrap, paired, spearman
+from cacheblend.blend.fusor import first_token_risk
+from cacheblend.blend.selection import BlendConfig, Candidates, choose, priority, query_attention
+from cacheblend.config import GUARD_MAX_RISK, RequestOptions
+from cacheblend.errors import CacheBlendError
+from conftest import PASSAGES, QUERY
+
+GEN = dict(max_new_tokens=8)
+MODES = [dict(selection="deviation"), dict(selection="attention"), dict(selection="impact"),
+         dict(selection="impact", chunk_heads=3), dict(selection="deviation", chunk_budget="attention")]
+
+
+def _cands(dev, att, chunk, offset) -> Candidates:
+    return Candidates(torch.tensor(dev, dtype=torch.float), torch.tensor(att, dtype=torch.float),
+                      torch.tensor(chunk), torch.tensor(offset))
+
+
+def test_query_attention_is_causal_softmax_mean():
+    torch.manual_seed(0)
+    h, kvh, n, hd = 4, 2, 10, 8
+    k = torch.randn(kvh, n, hd)
+    q_pos = torch.tensor([7, 9])
+    q = torch.randn(h, 2, hd)
+    got = query_attention(q, q_pos, k, 0.5)
+    want = torch.zeros(n)
+    for head in range(h):
+        kk = k[head // (h // kvh)]
+        for row, p in enumerate(q_pos.tolist()):
+            w = torch.softmax((kk[: p + 1] @ q[head, row]) * 0.5, 0)
+            want[: p + 1] += w / (h * 2)
+    torch.testing.assert_close(got, want)
+    assert float(got.sum()) == pytest.approx(1.0, abs=1e-5)
+    assert float(got[8]) > 0 and float(got[9]) > 0  # the second query row sees 8 and 9
+
+
+def test_priority_orders_by_each_score():
+    c = _cands([9, 1, 4, 0], [0.1, 0.5, 0.3, 0.05], [0, 0, 1, 1], [0, 1, 0, 1])
+    assert priority(BlendConfig(), c).tolist() == [0, 2, 1, 3]
+    assert priority(BlendConfig(selection="attention"), c).tolist() == [1, 2, 0, 3]
+    assert priority(BlendConfig(selection="impact"), c).tolist()[0] == 2  # 0.3 * 2 beats 0.1 * 3 and 0.5 * 1
+
+
+def test_chunk_heads_come_first():
+    c = _cands([9, 8, 7, 0, 0, 0], [0.1] * 6, [0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2])
+    first = priority(BlendConfig(chunk_heads=1), c).tolist()[:2]
+    assert sorted(first) == [0, 3]  # the head of each chunk, though chunk 1 has no deviation
+
+
+def test_chunk_budget_follows_the_question_attention():
+    # chunk 1 gets 3/4 of the attention: about 3 of every 4 chosen rows
+    c = _cands([1.0] * 16, [0.025] * 8 + [0.075] * 8, [0] * 8 + [1] * 8, list(range(8)) * 2)
+    chosen = choose(BlendConfig(chunk_budget="attention"), c, keep=8)
+    assert int((chosen >= 8).sum()) == 6
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+def test_every_selection_at_ratio_one_equals_full(tiny_engine, mode):
+    handles = tiny_engine.ingest(PASSAGES)
+    full = tiny_engine.generate(QUERY, handles, method="full", **GEN)
+    blend = tiny_engine.generate(QUERY, handles, method="blend", recompute_ratio=1.0, **mode, **GEN)
+    torch.testing.assert_close(blend.first_token_logits, full.first_token_logits, atol=1e-3, rtol=1e-3)
+    assert blend.token_ids == full.token_ids and blend.stats.exact
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+def test_every_selection_recomputes_its_budget(default_engine, mode):
+    handles = default_engine.ingest(PASSAGES)
+    r = default_engine.generate(QUERY, handles, method="blend", recompute_ratio=0.2, **mode, max_new_tokens=1)
+    approx = r.stats.recomputed_tokens + r.stats.approximate_tokens
+    assert r.stats.recomputed_tokens == round(0.2 * approx)
+    assert not r.stats.exact and 0 < r.stats.risk <= 1 and not r.stats.escalated
+    assert r.stats.ratio_used == pytest.approx(0.2, abs=0.01)
+
+
+def test_first_token_risk_is_one_minus_the_top_two_margin():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    assert first_token_risk(logits) == pytest.approx(0.8)
+    assert first_token_risk(torch.tensor([50.0, 0.0, 0.0])) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_guard_with_zero_risk_limit_is_full_prefill(default_engine):
+    handles = default_engine.ingest(PASSAGES)
+    full = default_engine.generate(QUERY, handles, method="full", **GEN)
+    guarded = default_engine.generate(QUERY, handles, method="blend", recompute_ratio="guard", max_risk=0.0, **GEN)
+    torch.testing.assert_close(guarded.first_token_logits, full.first_token_logits, atol=1e-3, rtol=1e-3)
+    assert guarded.token_ids == full.token_ids
+    s = guarded.stats
+    assert s.escalated and s.exact and s.ratio_used == 1.0 and s.approximate_tokens == 0 and s.risk == 0.0
+
+
+def test_guard_keeps_a_confident_blend(default_engine):
+    handles = default_engine.ingest(PASSAGES)
+    plain = default_engine.generate(QUERY, handles, method="blend", max_new_tokens=1)
+    guarded = default_engine.generate(QUERY, handles, method="blend", recompute_ratio="guard", max_risk=1.0,
+                                      max_new_tokens=1)
+    assert not guarded.stats.escalated and guarded.stats.risk == pytest.approx(plain.stats.risk)
+    assert torch.equal(guarded.first_token_logits, plain.first_token_logits)
+
+
+def test_guard_climbs_the_ladder(default_engine):
+    handles = default_engine.ingest(PASSAGES)
+    plain = default_engine.generate(QUERY, handles, method="blend", max_new_tokens=1)
+    limit = plain.stats.risk - 1e-6  # just below the plain blend's risk: the first rung runs
+    r = default_engine.generate(QUERY, handles, method="blend", max_risk=limit, max_new_tokens=1)
+    assert r.stats.escalated and r.stats.ratio_used > plain.stats.ratio_used
+
+
+def test_receipt_says_exact_or_approximate(default_engine):
+    handles = default_engine.ingest(PASSAGES)
+    for method, exact in (("full", True), ("prefix", True), ("reuse", False), ("blend", False)):
+        r = default_engine.generate(QUERY, handles, method=method, max_new_tokens=1)
+        receipt = r.metadata()["fidelity"]
+        assert receipt["exact"] is exact, method
+        assert receipt["approximate_tokens"] == (0 if exact else r.stats.reused_tokens - r.stats.exact_cached_tokens)
+        assert r.usage["cached_tokens"] == r.stats.exact_cached_tokens
+        assert r.usage["approximate_tokens"] == receipt["approximate_tokens"]
+    assert r.metadata()["fidelity"]["ratio_used"] == pytest.approx(RequestOptions().blend().recompute_ratio, abs=0.01)
+
+
+def test_guard_mode_defaults_and_bad_values():
+    config = RequestOptions.parse({"recompute_ratio": "guard"}).blend()
+    assert config.max_risk == GUARD_MAX_RISK and config.recompute_ratio == RequestOptions().quality_floor
+    assert RequestOptions.parse({"method": "full", "recompute_ratio": "guard"}).blend().max_risk is None
+    for bad in ({"selection": "magic"}, {"chunk_heads": -1}, {"chunk_heads": 1.5}, {"chunk_budget": "even"},
+                {"max_risk": -0.1}, {"max_risk": 1.5}, {"max_risk": "high"}, {"recompute_ratio": "sometimes"}):
+        with pytest.raises(CacheBlendError):
+            RequestOptions.parse(bad)
+
+
+def test_variant_specs():
+    spec = parse_spec("blend@0.2:selection=impact:chunk_heads=2:check_layers=1+2")
+    assert spec.options == {"method": "blend", "recompute_ratio": 0.2, "selection": "impact", "chunk_heads": 2,
+                            "check_layers": (1, 2)}
+    assert parse_spec("blend@guard:max_risk=0.3").options["max_risk"] == 0.3
+    for bad in ("blend@0.2:colour=red", "blend@0.2:selection", "blend@2.0", "nonsense", "blend@0.1:chunk_heads=x"):
+        with pytest.raises(CacheBlendError):
+            parse_spec(bad)
+
+
+def test_bootstrap_paired_and_spearman():
+    values = [0.0, 1.0] * 50
+    iv = bootstrap(values)
+    assert iv.mean == 0.5 and iv.low < 0.5 < iv.high and iv.high - iv.low < 0.3
+    assert bootstrap([1.0] * 10).low == 1.0
+    same = paired([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
+    assert same.mean == same.low == same.high == 0.0
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)  # ties share ranks
+    assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
