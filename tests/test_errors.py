@@ -95,3 +95,45 @@ def test_timeout_interrupts_the_fused_prefill_between_layers(engine, monkeypatch
     assert after.token_ids == before.token_ids and after.stats.store_hits == before.stats.store_hits
     with pytest.raises(CacheBlendError, match="timeout"):
         engine.generate(QUERY, timeout=-1)
+
+
+def test_lone_surrogate_is_a_clear_error(engine):
+    """A lone surrogate (e.g. from a badly decoded file) is named, not a tokenizers TypeError."""
+    for call in (lambda: engine.ingest(["bad \ud800 text"]),
+                 lambda: engine.generate("Why \udc00?", PASSAGES, max_new_tokens=1),
+                 lambda: engine.generate(QUERY, ["chunk \ud800"], max_new_tokens=1)):
+        with pytest.raises(CacheBlendError, match="not valid Unicode"):
+            call()
+
+
+def test_cancelled_async_stream_raises_cancelled_error():
+    """Cancelling a consumer mid-step waits for the step, closes the generator and raises
+    CancelledError (it raised 'generator already executing')."""
+    import asyncio
+    import time
+
+    from cacheblend.aio import iterate_in_thread
+
+    closed = []
+
+    def slow():
+        try:
+            for i in range(100):
+                time.sleep(0.05)
+                yield i
+        finally:
+            closed.append(True)
+
+    async def consume():
+        async for _ in iterate_in_thread(slow):
+            pass
+
+    async def main():
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.12)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert closed == [True]

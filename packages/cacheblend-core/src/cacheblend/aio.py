@@ -4,6 +4,7 @@ event loop is never blocked by a prefill or a decode step."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
@@ -22,13 +23,21 @@ async def iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]
     ``make`` itself runs on a thread too (starting a generation validates input and
     tokenizes); an exception it raises comes out of the first ``__anext__``."""
     it = await asyncio.to_thread(make)
+    step: asyncio.Future | None = None
     try:
         while True:
-            item = await asyncio.to_thread(next, it, _DONE)
+            # Shielded: a cancelled consumer must not abandon a step still running on its
+            # thread, or closing the generator below would find it executing.
+            step = asyncio.ensure_future(asyncio.to_thread(next, it, _DONE))
+            item = await asyncio.shield(step)
+            step = None
             if item is _DONE:
                 return
             yield item  # type: ignore[misc]
     finally:
+        if step is not None:  # cancelled mid-step: let the step finish, then close
+            with contextlib.suppress(Exception):
+                await step
         close = getattr(it, "close", None)
         if close is not None:
             await asyncio.to_thread(close)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import CacheBlendError
+
 _SENTINEL = "\u2063CACHEBLEND_CONTENT\u2063"
 
 
@@ -47,6 +49,11 @@ class PromptBuilder:
         self.use_chat_template = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: tokenizers would fail with a TypeError
+            raise CacheBlendError(f"text is not valid Unicode: {e.reason} at character {e.start} "
+                                  f"({text[max(0, e.start - 20):e.start]!r}...)") from None
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def chunk_ids(self, text: str) -> list[int]:

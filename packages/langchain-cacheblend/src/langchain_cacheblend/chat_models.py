@@ -76,11 +76,18 @@ class ChatCacheBlend(BaseChatModel):
     """The server's API key, with ``base_url``; the in-process engine needs none."""
 
     method: Literal["blend", "full", "prefix", "reuse"] = _D.method  # type: ignore[assignment]
-    recompute_ratio: float | Literal["auto"] = _D.recompute_ratio  # type: ignore[assignment]
+    recompute_ratio: float | Literal["auto", "guard"] = _D.recompute_ratio  # type: ignore[assignment]
+    """Share of reused chunk tokens recomputed; ``"auto"`` (the loading controller) or
+    ``"guard"`` (blend, and prefill exactly when the answer's risk is above ``max_risk``)."""
     quality_floor: float = _D.quality_floor
     check_layers: tuple[int, ...] = tuple(_D.check_layers)
     deviation: Literal["v", "k", "kv"] = _D.deviation  # type: ignore[assignment]
     gradual: bool = _D.gradual
+    selection: Literal["deviation", "attention", "impact"] = _D.selection  # type: ignore[assignment]
+    chunk_heads: int = _D.chunk_heads
+    chunk_budget: Literal["global", "attention"] = _D.chunk_budget  # type: ignore[assignment]
+    max_risk: float | None = _D.max_risk
+    """The quality guard's risk limit (see ``response_metadata["cacheblend"]["fidelity"]``)."""
     learn: bool = Field(default=_D.learn, validation_alias=AliasChoices("learn", "learn_passages"))
     """Cache long paragraphs of the prompt that are not known passages yet (also ``learn_passages``)."""
     model_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -187,28 +187,31 @@ def _signed(d: dict) -> str:
     return f"{d['mean']:+.3f} [{d['low']:+.3f},{d['high']:+.3f}]"
 
 
-def specs_of(variants: str | None, baseline: str) -> list[Spec]:
-    """The variants to run (the baseline included, once), parsed and checked."""
+def specs_of(variants: str | None, baseline: str) -> tuple[list[Spec], str]:
+    """The variants to run, parsed and checked, and the baseline's name: a variant with the
+    baseline's options is the baseline (it runs once); otherwise the baseline runs first."""
     from .command import DEFAULT_VARIANTS
 
     texts = [t for t in (variants or DEFAULT_VARIANTS).split(";") if t.strip()]
     specs = [parse_spec(t) for t in texts]
-    if baseline.strip() not in [s.name for s in specs]:
-        specs.insert(0, parse_spec(baseline))
-    return specs
+    base = parse_spec(baseline)
+    same = [s for s in specs if RequestOptions.parse(s.options) == RequestOptions.parse(base.options)]
+    if same:
+        return specs, same[0].name
+    return [base, *specs], base.name
 
 
 def study(engine, args, datasets: list[str], chunks: int) -> dict[str, Any]:
     """Run the study over ``datasets`` and print a table per data set and pooled."""
     from .tasks import load_task
 
-    specs = specs_of(args.variants, args.baseline)
+    specs, baseline = specs_of(args.variants, args.baseline)
     names = [s.name for s in specs]
     samples: list[Sample] = []
     for d in datasets:
         task, examples = load_task(d, args.split, args.limit, chunks, args.data)
         samples += run(engine, task, examples, specs, args.max_new_tokens)
-    baselines = [args.baseline.strip()] + (["reuse"] if "reuse" in names else [])
+    baselines = [baseline] + (["reuse"] if "reuse" in names and baseline != "reuse" else [])
     per = {d: summarise([s for s in samples if s.dataset == d], names, baselines) for d in datasets}
     pooled = summarise(samples, names, baselines)
     for d, recs in per.items():

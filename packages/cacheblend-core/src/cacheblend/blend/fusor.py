@@ -181,16 +181,22 @@ def fused_prefill(
         loader.close()
 
     kv.length = n
+    return _report(lay, active, dec.logits(h[-1:])[0], loader, active_per_layer,
+                   time.perf_counter() - t_start - loader.exposed_s)
+
+
+def _report(lay: _Layout, active: Tensor, logits: Tensor, loader: LayerLoader, active_per_layer: list[int],
+            compute_s: float) -> FusionReport:
+    """What the fused prefill did, with its fidelity receipt: exact when no approximately
+    reused token stayed stale, else the risk of the first token."""
+    n, n_uncached = lay.ids.numel(), int(lay.uncached.sum())
     hkvd = active[lay.candidate[active]]
-    n_uncached = int(lay.uncached.sum())
-    logits = dec.logits(h[-1:])[0]
     exact = hkvd.numel() == lay.n_candidates
     return FusionReport(
         logits=logits, prompt_tokens=n, reused_tokens=n - n_uncached - hkvd.numel(),
         recomputed_tokens=hkvd.numel(), computed_tokens=n_uncached, hkvd_positions=hkvd,
         active_per_layer=active_per_layer, load_s=loader.load_s, load_exposed_s=loader.exposed_s,
-        compute_s=time.perf_counter() - t_start - loader.exposed_s,
-        ratio_used=hkvd.numel() / lay.n_candidates if lay.n_candidates else 1.0,
+        compute_s=compute_s, ratio_used=hkvd.numel() / lay.n_candidates if lay.n_candidates else 1.0,
         risk=0.0 if exact else first_token_risk(logits), exact=exact,
         exact_cached_tokens=n - n_uncached - lay.n_candidates,
     )

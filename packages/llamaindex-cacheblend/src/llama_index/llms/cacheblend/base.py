@@ -95,11 +95,19 @@ class CacheBlendLLM(CustomLLM):
     max_tokens: int = Field(default=_D.max_new_tokens, gt=0, description="New tokens at most.")
     method: str = Field(default=_D.method, description=f"One of {METHODS}.")
     recompute_ratio: float | str = Field(default=_D.recompute_ratio,
-                                         description="Share of reused tokens recomputed, or 'auto'.")
+                                         description="Share of reused tokens recomputed, 'auto' (the loading "
+                                                     "controller) or 'guard' (re-prefill risky answers exactly).")
     quality_floor: float = Field(default=_D.quality_floor, description="The least ratio 'auto' may pick.")
     check_layers: tuple[int, ...] = Field(default=tuple(_D.check_layers), description="HKVD check layers.")
     deviation: str = Field(default=_D.deviation, description="Deviation measure: 'v', 'k' or 'kv'.")
     gradual: bool = Field(default=_D.gradual, description="Gradual filtering over the check layers.")
+    selection: str = Field(default=_D.selection, description="Token ranking: 'deviation', 'attention' or 'impact'.")
+    chunk_heads: int = Field(default=_D.chunk_heads, ge=0, description="First tokens of each chunk always "
+                                                                       "recomputed.")
+    chunk_budget: str = Field(default=_D.chunk_budget, description="'global', or 'attention': spread the "
+                                                                   "recompute over chunks by the question's attention.")
+    max_risk: float | None = Field(default=_D.max_risk, description="The quality guard's risk limit (see "
+                                                                    "raw['cacheblend']['fidelity']).")
     seed: int | None = _D.seed
     stop: list[str] = Field(default_factory=lambda: list(_D.stop), description="Strings that end the answer.")
     learn: bool = Field(default=_D.learn, description="Cache long unknown paragraphs of prompts for next time.")
