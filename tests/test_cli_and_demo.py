@@ -90,7 +90,7 @@ def test_store_commands(tmp_path):
     (["ask", "q?", "--model", "/no/such/model"], "model '/no/such/model' not found"),
     (["ask", "q?", "--store", "bogus:1"], "unknown store tier 'bogus:1'"),
     (["ingest", "/no/such/file.txt", "--store", "memory"], "no such file"),
-    (["ask", "q?", "--ratio", "most"], "must be a number within [0, 1] or 'auto'"),
+    (["ask", "q?", "--ratio", "most"], "must be a number within [0, 1], 'auto' or 'guard'"),
 ])
 def test_bad_arguments_are_one_line_errors(args, says):
     out = _cli(*args)
