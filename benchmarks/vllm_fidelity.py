@@ -29,19 +29,17 @@ from cacheblend import Engine  # noqa: E402
 from cacheblend.bench.stats import bootstrap  # noqa: E402
 from cacheblend.datasets import QA_PREAMBLE, load_qa  # noqa: E402
 from cacheblend.integrations.vllm import register_passages  # noqa: E402
+from cacheblend.integrations.vllm_server import kv_transfer_config  # noqa: E402
 
 VARIANTS = {"blend@0.15": {"recompute_ratio": 0.15}, "blend@guard": {"recompute_ratio": "guard"}}
 
 
-def llm(model: str, extra: dict | None):
+def llm(model: str, connector: dict | None):
+    """An eager LLM; with ``connector`` (``kv_transfer_config(...)``), the CacheBlend connector."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kw = {}
-    if extra is not None:
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="CacheBlendConnector", kv_connector_module_path="cacheblend.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=extra)
+    kw = {"kv_transfer_config": KVTransferConfig(**connector)} if connector is not None else {}
     return LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=8192,
                max_num_batched_tokens=8192, max_num_seqs=1, seed=0, **kw)
 
@@ -96,7 +94,7 @@ def main() -> None:
     plain_llm = llm(model, None)
     plain = first_tokens(plain_llm, prompts, None)
     shutdown(plain_llm)
-    blend_llm = llm(model, {"store": f"disk:{root / 'kv'}", "passages": str(root / "passages.jsonl")})
+    blend_llm = llm(model, kv_transfer_config(f"disk:{root / 'kv'}", passages=str(root / "passages.jsonl")))
     report: dict = {"command": "benchmarks/vllm_fidelity.py " + " ".join(os.sys.argv[1:]), "prompts": len(prompts),
                     "variants": {}}
     for name, opts in VARIANTS.items():
