@@ -90,7 +90,7 @@ def cmd_store(args) -> int:
 
     from .store import TieredStore, open_store
 
-    store = open_store(_default_store(args.store))
+    store = open_store(_default_store(args.store), create=False)
     tiers = store.tiers if isinstance(store, TieredStore) else [store]
     out = []
     for tier in tiers:

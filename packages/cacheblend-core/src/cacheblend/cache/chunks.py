@@ -23,7 +23,7 @@ from ..models.decoder import Decoder
 from ..prompt import PromptBuilder, PromptIds
 from ..results import ChunkHandle
 from ..store import ChunkKV, CorruptEntry, LayerSource, Tier, tier_total
-from ..store.entry import PrefixView
+from ..store.entry import PrefixView, ShapeChecked
 from .keys import chunk_key, is_entry_key
 
 ATTEMPTS = 3  # a damaged entry is looked up again; the last attempt bypasses the store
@@ -247,13 +247,20 @@ class ChunkCache:
 
     def _stored(self, key: str, num_tokens: int, counter: LookupCounter) -> LayerSource | None:
         """The stored entry for ``key`` if it can be trusted (counted as a hit), else None
-        (a miss).  An entry made by another model, or of another length, is dropped."""
+        (a miss).  An entry made by another model, or of another length or depth, is
+        dropped; one whose layers turn out to have another shape is dropped when read."""
         source = None if counter.bypass_store else self.store.open(key)
         if source is not None:
+            shape = self.decoder.shape
             model = source.meta.get("model")
-            if source.num_tokens == num_tokens and model in (None, self.fingerprint):
+            fits = source.num_layers == shape.num_layers and model in (None, self.fingerprint)
+            if isinstance(source, ChunkKV):  # in memory: check the shape now, read nothing
+                fits = fits and source.k.shape[1::2] == (shape.num_kv_heads, shape.head_dim)
+            if source.num_tokens == num_tokens and fits:
                 counter.hits += 1
-                return source
+                if isinstance(source, ChunkKV):
+                    return source
+                return ShapeChecked(source, shape.num_kv_heads, shape.head_dim, lambda: self.store.delete(key))
             counter.foreign += 1
             self.store.delete(key)
         counter.misses += 1

@@ -15,7 +15,15 @@ from pathlib import Path
 _ANCHOR = 4  # chunks are indexed by their first ids; shorter chunks are not worth matching
 _LOCK = threading.Lock()
 
-REDIS_PASSAGES_KEY = "cacheblend:passages"
+REDIS_PASSAGES_KEY = "cacheblend:passages"  # the default namespace's set
+
+
+def passages_key(namespace: str | None = None) -> str:
+    """The Redis set of a namespace's passages (``namespace=`` of the store spec): tenants
+    sharing one Redis server never see each other's registry."""
+    from ..store.spec import namespaced_prefix
+
+    return f"{namespaced_prefix(namespace)}:passages"
 
 
 def _is_redis(path: str | os.PathLike) -> bool:
@@ -28,16 +36,17 @@ def _redis(url: str):
     return redis.Redis.from_url(url)
 
 
-def register_passages(path: str | os.PathLike, texts: Iterable[str]) -> int:
+def register_passages(path: str | os.PathLike, texts: Iterable[str], namespace: str | None = None) -> int:
     """Add passage ``texts`` not yet in the registry at ``path`` and return how many were new.
 
     ``path`` is a JSON-lines file (one JSON string a line) on a filesystem every process
     sees, or a ``redis://`` URL: then the texts go into the Redis set
-    ``cacheblend:passages``, which is how servers on several hosts that share a Redis store
-    tier also share what to look for.  Call it where the chunks are ingested."""
+    ``cacheblend:passages`` (``cacheblend.NAMESPACE:passages`` for a namespace), which is
+    how servers on several hosts that share a Redis store tier also share what to look
+    for.  Call it where the chunks are ingested."""
     new = [t for t in dict.fromkeys(texts) if isinstance(t, str) and t.strip()]
     if _is_redis(path):
-        return int(_redis(str(path)).sadd(REDIS_PASSAGES_KEY, *new)) if new else 0
+        return int(_redis(str(path)).sadd(passages_key(namespace), *new)) if new else 0
     p = Path(path)
     known = set(read_passages(p))
     new = [t for t in new if t not in known]
@@ -48,10 +57,10 @@ def register_passages(path: str | os.PathLike, texts: Iterable[str]) -> int:
     return len(new)
 
 
-def read_passages(path: str | os.PathLike) -> list[str]:
+def read_passages(path: str | os.PathLike, namespace: str | None = None) -> list[str]:
     """The registry's texts; a missing file is empty, a torn last line skipped."""
     if _is_redis(path):
-        return sorted(m.decode("utf-8") for m in _redis(str(path)).smembers(REDIS_PASSAGES_KEY))
+        return sorted(m.decode("utf-8") for m in _redis(str(path)).smembers(passages_key(namespace)))
     p = Path(path)
     if not p.exists():
         return []
@@ -66,10 +75,10 @@ def read_passages(path: str | os.PathLike) -> list[str]:
     return out
 
 
-def _registry_version(path: str | os.PathLike) -> float | None:
+def _registry_version(path: str | os.PathLike, namespace: str | None) -> float | None:
     """What changes when passages are added: a file's mtime, a Redis set's size."""
     if _is_redis(path):
-        return float(_redis(str(path)).scard(REDIS_PASSAGES_KEY))
+        return float(_redis(str(path)).scard(passages_key(namespace)))
     try:
         return Path(path).stat().st_mtime
     except FileNotFoundError:
@@ -82,9 +91,10 @@ class ChunkMatcher:
     Each passage gives two id runs: the chunk as ingested (``text`` + separator) and the
     bare text (a template may follow it with anything); the longest run that matches wins."""
 
-    def __init__(self, encode, separator: str = "\n\n", path: str | os.PathLike | None = None) -> None:
+    def __init__(self, encode, separator: str = "\n\n", path: str | os.PathLike | None = None,
+                 namespace: str | None = None) -> None:
         self.encode, self.separator = encode, separator
-        self.path = path or None
+        self.path, self.namespace = path or None, namespace
         self._mtime: float | None = None
         self._texts: set[str] = set()
         self._by_anchor: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
@@ -104,10 +114,10 @@ class ChunkMatcher:
         """Re-read the registry file if it changed since the last read."""
         if self.path is None:
             return
-        version = _registry_version(self.path)
+        version = _registry_version(self.path, self.namespace)
         if version is not None and version != self._mtime:
             self._mtime = version
-            self.add(read_passages(self.path))
+            self.add(read_passages(self.path, self.namespace))
 
     def find(self, ids: Sequence[int], end_limit: int | None = None) -> list[tuple[int, int]]:
         """Non-overlapping ``(start, end)`` spans of known chunks in ``ids``, left to right,

@@ -1,27 +1,31 @@
 """KV store: tiers behind one ``get``/``put``/``delete`` interface.
 
-Spec strings (``Engine.load(store=...)``): ``"memory"``, ``"memory:2GB"``,
-``"disk:PATH"``, ``"disk:PATH:50GB"``, ``"redis://HOST:PORT/DB"``, or several joined by
-commas, fastest first.  ``None`` means memory (4 GB) plus a disk tier (20 GB) under the
-cache dir: bounded, because one 600-token chunk of a small model is already ~28 MB.
+Spec strings (``Engine.load(store=...)``, see :mod:`.spec`): ``"memory"``,
+``"memory:2GB"``, ``"disk:PATH"``, ``"disk:PATH:50GB"``, ``"redis://HOST:PORT/DB"``, or
+several joined by commas, fastest first, with ``namespace=NAME`` and ``key=SECRET``
+options.  ``None`` means memory (4 GB) plus a disk tier (20 GB) under the cache dir:
+bounded, because one 600-token chunk of a small model is already ~28 MB.
 """
 
 from __future__ import annotations
 
 from ..cache.keys import chunk_key
-from .disk import DiskStore
+from .disk import DiskStore, NotAStore
 from .entry import ChunkKV, CorruptEntry, LayerSource
 from .memory import MemoryStore
+from .signing import KEY_ENV, Signer
+from .spec import DEFAULT_DISK, DEFAULT_MEMORY, StoreOptions, is_size, parse_size, split_spec
 from .tiered import Tier, TieredStore
 
-__all__ = ["ChunkKV", "CorruptEntry", "DiskStore", "LayerSource", "MemoryStore", "RedisStore", "Tier",
-           "TieredStore", "chunk_key", "tier_total", "open_store", "parse_size"]
+__all__ = ["DEFAULT_DISK", "DEFAULT_MEMORY", "KEY_ENV", "ChunkKV", "CorruptEntry", "DiskStore", "LayerSource",
+           "MemoryStore", "NotAStore", "RedisStore", "Signer", "StoreOptions", "Tier", "TieredStore", "chunk_key",
+           "open_store", "parse_size", "tier_total"]
 
 
 def tier_total(store: Tier, counter: str) -> int:
-    """A counter summed over the store's tiers: ``"corrupt"``, entries found damaged and
-    dropped (at open or mid-read, each counted once by its tier); ``"unreachable"``,
-    failed calls to a remote tier."""
+    """A counter summed over the store's tiers: ``"corrupt"``, entries found damaged or
+    unsigned and dropped (at open or mid-read, each counted once by its tier);
+    ``"unreachable"``, failed calls to a remote tier."""
     tiers = getattr(store, "tiers", None) or [store]
     return sum(int(getattr(t, counter, 0)) for t in tiers)
 
@@ -34,29 +38,25 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-DEFAULT_MEMORY = "4GB"
-DEFAULT_DISK = "20GB"
-
-
-def open_store(spec: str | Tier | None) -> Tier:
-    """Build a store from a spec string, or pass a store object through."""
+def open_store(spec: str | Tier | None, *, create: bool = True) -> Tier:
+    """Build a store from a spec string, or pass a store object through.  ``create=False``
+    (the store commands) refuses a disk path that holds no store yet."""
     if spec is None:
         from ..models.loader import cache_home
 
         spec = f"memory:{DEFAULT_MEMORY},disk:{cache_home() / 'kv'}:{DEFAULT_DISK}"
     if not isinstance(spec, str):
         return spec
-    tiers = [_tier(part.strip()) for part in spec.split(",") if part.strip()]
-    if not tiers:
-        raise ValueError(f"empty store spec {spec!r}")
+    parts, options = split_spec(spec)
+    tiers = [_tier(part, options, create) for part in parts]
     return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
 
 
-def _tier(spec: str) -> Tier:
+def _tier(spec: str, options: StoreOptions, create: bool) -> Tier:
     if spec.startswith(("redis://", "rediss://", "unix://")):
         from .redis_tier import RedisStore
 
-        return RedisStore(spec)
+        return RedisStore(spec, prefix=options.redis_prefix, signer=options.signer)
     kind, _, arg = spec.partition(":")
     if kind == "memory":
         return MemoryStore(parse_size(arg) if arg else None)
@@ -64,32 +64,9 @@ def _tier(spec: str) -> Tier:
         if not arg:
             raise ValueError("disk tier needs a path: 'disk:PATH' or 'disk:PATH:SIZE'")
         path, _, size = arg.rpartition(":")
-        if path and _is_size(size):
-            return DiskStore(path, parse_size(size))
-        return DiskStore(arg)
+        path, capacity = (path, parse_size(size)) if path and is_size(size) else (arg, None)
+        return DiskStore(path, capacity, namespace=options.namespace, signer=options.signer, create=create)
     raise ValueError(
-        f"unknown store tier {spec!r}; known: 'memory[:SIZE]', 'disk:PATH[:SIZE]', 'redis://HOST:PORT/DB'"
+        f"unknown store tier {spec!r}; known: 'memory[:SIZE]', 'disk:PATH[:SIZE]', 'redis://HOST:PORT/DB', "
+        "and the options 'namespace=NAME', 'key=SECRET'"
     )
-
-
-def _is_size(text: str) -> bool:
-    try:
-        parse_size(text)
-        return True
-    except ValueError:
-        return False
-
-
-def parse_size(text: str) -> int:
-    """'512MB', '2GB', '1GiB' → bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    t = text.strip().upper()
-    num = t.rstrip("KMGTIB")
-    unit = t[len(num):]
-    if not num or unit not in units:
-        raise ValueError(f"cannot read size {text!r} (examples: 512MB, 2GB, 1GiB)")
-    try:
-        return int(float(num) * units[unit])
-    except ValueError as e:
-        raise ValueError(f"cannot read size {text!r}") from e

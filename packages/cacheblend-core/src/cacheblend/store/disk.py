@@ -3,17 +3,20 @@
 Layout: ``ROOT/<key[:2]>/<key>.safetensors`` holding ``k.<layer>`` and ``v.<layer>``
 tensors (``[kv_heads, tokens, head_dim]``), so one layer can be read without the rest
 (pipelined loading).  The header metadata carries the format version, the key, the
-shape, who made it (model fingerprint, precompute policy, token-ids hash) and a sha256
-per layer.  An entry that is truncated, corrupted or not what its name says is counted,
-deleted and reported as a miss, so the engine recomputes it — never serves it.
+shape, who made it (model fingerprint, precompute policy, token-ids hash), a sha256 per
+layer and, with a store secret, a signature.  An entry that is truncated, corrupted,
+unsigned or not what its name says is counted, deleted and reported as a miss, so the
+engine recomputes it — never serves it.
 
-``ROOT/index.sqlite3`` records size and last access of every entry: it survives
-restarts, is shared safely by several processes (SQLite locking), and drives LRU
-eviction within the byte budget.  No pickle anywhere: safetensors and SQLite only.
+``ROOT/index.sqlite3`` (:mod:`.disk_index`) drives LRU eviction within the byte budget
+and heals itself from the entries' headers; :mod:`.disk_layout` finds the files, never
+following a symlink, and refuses a directory that is not a store.
+No pickle anywhere: safetensors and SQLite only.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -26,12 +29,16 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
+from ..cache.keys import is_entry_key
+from .disk_index import DiskIndex, IndexUnwritable, Row
+from .disk_layout import FORMAT, NAMESPACES, TMP_PREFIX, VERSION, NotAStore, claim, header_rows, in_flight, scan
+from .disk_layout import reclaim as reclaim_temp
 from .entry import ChunkKV, CorruptEntry, layer_digest, read_entry, verify_entries
+from .signing import SIGNATURE, Signer
+from .spec import check_namespace
 
 log = logging.getLogger("cacheblend.store")
-FORMAT = "cacheblend-kv"
-VERSION = "2"
-_TMP_PREFIX = ".tmp-"
+__all__ = ["FORMAT", "VERSION", "DiskSource", "DiskStore", "NotAStore"]
 
 
 class DiskSource:
@@ -61,6 +68,11 @@ class DiskSource:
         if not ok:
             raise CorruptEntry(f"{path}: header does not describe key {key}")
         self.meta = {k: v for k, v in meta.items() if k != "layer_sha256"}
+        signer = store.signer
+        if signer is not None and not signer.valid(key, self.meta, self._digests):
+            store.unsigned += 1
+            raise CorruptEntry(f"{path}: no valid signature")
+        self._shape: tuple[int, ...] | None = None
 
     def layer(self, index: int):
         try:
@@ -69,110 +81,95 @@ class DiskSource:
         except Exception as e:
             self._store.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} unreadable: {e}") from e
-        if k.shape[1] != self.num_tokens or layer_digest(k, v) != self._digests[index]:
+        self._shape = self._shape or tuple(k.shape)
+        ok = k.dim() == 3 and k.shape == v.shape == self._shape and k.shape[1] == self.num_tokens
+        if not ok or layer_digest(k, v) != self._digests[index]:
             self._store.condemn(self.key)
-            raise CorruptEntry(f"{self.key}: layer {index} fails its checksum")
+            raise CorruptEntry(f"{self.key}: layer {index} fails its checksum or shape")
         return k, v
 
 
-def _use_wal(db: sqlite3.Connection, seconds: float = 60.0) -> None:
-    """Put the index in WAL mode (readers never block the writer).  Switching takes an
-    exclusive lock that SQLite does not wait for (no busy handler), so processes opening
-    a new store at the same moment get "database is locked": retry until it is done."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                db.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as e:
-            if "locked" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
-
-
 class DiskStore:
-    """Chunk caches as files under ``root``, at most ``capacity_bytes`` in all (LRU)."""
+    """Chunk caches as files under ``root``, at most ``capacity_bytes`` in all (LRU).
 
-    def __init__(self, root: str | os.PathLike, capacity_bytes: int | None = None) -> None:
+    ``namespace``: a tenant's entries live in ``root/namespaces/NAME``.  ``signer``: sign
+    entries and reject unsigned ones.  ``create=False``: refuse a path that is not a
+    store yet (the maintenance commands)."""
+
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int | None = None, *,
+                 namespace: str | None = None, signer: Signer | None = None, create: bool = True) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError("disk capacity must be positive")
         self.root = Path(root).expanduser()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.capacity_bytes = capacity_bytes
-        self.corrupt = 0
-        self.write_errors = 0
-        self.evictions = 0
+        if namespace is not None:
+            self.root = self.root / NAMESPACES / check_namespace(namespace)
+        self.capacity_bytes, self.signer, self.namespace = capacity_bytes, signer, namespace
+        self.corrupt = self.unsigned = self.write_errors = self.evictions = self.skipped_writes = 0
+        self.reclaimed_bytes = 0
         self.last_error: str | None = None
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.root / "index.sqlite3", timeout=60, check_same_thread=False,
-                                   isolation_level=None)
-        _use_wal(self._db)
-        self._db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, bytes INTEGER, used REAL, "
-                         "learned INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0)")
-        self._add_columns()
-        if self._sql("SELECT COUNT(*) FROM entries")[0][0] == 0:
-            self.reindex()
+        writable = claim(self.root, create)
+        self.index = DiskIndex(self.root, self._rows, writable)
+        if not self.index.read_only:
+            self.reclaim()
 
-    # -- index ---------------------------------------------------------------------
-    def _add_columns(self) -> None:
-        """Indexes made before entries were marked learned or counted in tokens get the
-        columns (another process may add them at the same moment)."""
-        for column in ("learned", "tokens"):
-            have = {row[1] for row in self._sql("PRAGMA table_info(entries)")}
-            if column not in have:
-                try:
-                    self._sql(f"ALTER TABLE entries ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
-                except sqlite3.OperationalError as e:
-                    if "duplicate column" not in str(e):
-                        raise
-
-    def _sql(self, query: str, args: tuple = ()) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(query, args).fetchall()
-
-    def reindex(self) -> int:
-        """Rebuild the index from the files present (after a crash or a copy)."""
-        rows = [(p.stem, p.stat().st_size, p.stat().st_mtime) for p in self.root.glob("??/*.safetensors")]
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("DELETE FROM entries")
-            self._db.executemany("INSERT OR REPLACE INTO entries (key, bytes, used) VALUES (?, ?, ?)", rows)
-            self._db.execute("COMMIT")
-        return len(rows)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._sql("SELECT COALESCE(SUM(bytes), 0) FROM entries")[0][0])
-
+    # -- files -------------------------------------------------------------------------
     def path(self, key: str) -> Path:
-        if len(key) < 3 or not all(c in "0123456789abcdef" for c in key):
+        if not is_entry_key(key):
             raise ValueError(f"not a chunk key: {key!r}")
         return self.root / key[:2] / f"{key}.safetensors"
 
+    def _file(self, key: str) -> Path | None:
+        """The entry's path if it is a real file inside the store (no symlink on the way)."""
+        path = self.path(key)
+        if path.parent.is_symlink() or path.is_symlink() or not path.is_file():
+            return None
+        return path
+
+    def files(self) -> tuple[list[tuple[str, Path]], list[Path]]:
+        """Entry files as ``(key, path)`` and stray files (see :func:`.disk_layout.scan`)."""
+        return scan(self.root)
+
+    def _rows(self) -> list[Row]:
+        return header_rows(scan(self.root)[0])
+
+    # -- index -----------------------------------------------------------------------
+    def reindex(self) -> int:
+        """Rebuild the index from the entry files (after a crash, a copy or a loss)."""
+        return self.index.rebuild()
+
+    @property
+    def read_only(self) -> bool:
+        return self.index.read_only
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.index.sql("SELECT COALESCE(SUM(bytes), 0) FROM entries")[0][0])
+
     def __contains__(self, key: str) -> bool:
-        return self.path(key).is_file()
+        return self._file(key) is not None
 
     def __len__(self) -> int:
-        return int(self._sql("SELECT COUNT(*) FROM entries")[0][0])
+        return int(self.index.sql("SELECT COUNT(*) FROM entries")[0][0])
 
     def keys(self) -> list[str]:
-        return [r[0] for r in self._sql("SELECT key FROM entries ORDER BY used")]
+        return [r[0] for r in self.index.sql("SELECT key FROM entries ORDER BY used")]
 
     # -- reads ---------------------------------------------------------------------
     def open(self, key: str) -> DiskSource | None:
         """A layer-wise reader for ``key``, or None (absent or untrustworthy)."""
-        path = self.path(key)
-        if not path.is_file():
+        path = self._file(key)
+        if path is None:
             return None
         try:
             source = DiskSource(self, key, path)
         except FileNotFoundError:
             return None
-        except CorruptEntry:
+        except CorruptEntry as e:
+            self.last_error = str(e)
             self.condemn(key)
             return None
-        self._sql("UPDATE entries SET used = ? WHERE key = ?", (time.time(), key))
+        self.index.write("UPDATE entries SET used = ? WHERE key = ?", (time.time(), key))
         return source
 
     def get(self, key: str) -> ChunkKV | None:
@@ -186,44 +183,60 @@ class DiskStore:
 
     # -- writes --------------------------------------------------------------------
     def put(self, key: str, kv: ChunkKV) -> bool:
+        """Store ``kv``; False when it is skipped (too big, read-only, disk full): a write
+        the tier cannot make never fails the request that asked for it."""
         path = self.path(key)
+        if self.index.read_only or path.parent.is_symlink():
+            self.skipped_writes += 1
+            return False
+        blob = st_save(*self._encode(key, kv))
+        try:
+            if not self._reserve(key, len(blob), kv.meta.get("origin") == "learned", kv.num_tokens):
+                self.skipped_writes += 1
+                return False
+            path.parent.mkdir(exist_ok=True)
+            self._write(key, blob, path)
+        except (OSError, sqlite3.Error, IndexUnwritable) as e:  # full, read-only, gone
+            self.index.write("DELETE FROM entries WHERE key = ?", (key,))
+            self._write_failed(e)
+            return False
+        return True
+
+    def _encode(self, key: str, kv: ChunkKV) -> tuple[dict, dict[str, str]]:
         tensors = {}
         for i in range(kv.num_layers):
             tensors[f"k.{i}"] = kv.k[i].contiguous()
             tensors[f"v.{i}"] = kv.v[i].contiguous()
-        meta = {str(k): str(v) for k, v in kv.meta.items()}
-        meta |= {
-            "format": FORMAT, "version": VERSION, "key": key, "layers": str(kv.num_layers),
-            "tokens": str(kv.num_tokens), "dtype": str(kv.k.dtype),
-            "layer_sha256": json.dumps([layer_digest(*kv.layer(i)) for i in range(kv.num_layers)]),
-        }
-        blob = st_save(tensors, meta)
-        if not self._reserve(key, len(blob), kv.meta.get("origin") == "learned", kv.num_tokens):
-            return False
+        digests = [layer_digest(*kv.layer(i)) for i in range(kv.num_layers)]
+        meta = {str(k): str(v) for k, v in kv.meta.items() if k != SIGNATURE}
+        meta |= {"format": FORMAT, "version": VERSION, "key": key, "layers": str(kv.num_layers),
+                 "tokens": str(kv.num_tokens), "dtype": str(kv.k.dtype)}
+        if self.signer is not None:
+            meta[SIGNATURE] = self.signer.sign(key, meta, digests)
+        return tensors, meta | {"layer_sha256": json.dumps(digests)}
+
+    def _write(self, key: str, blob: bytes, path: Path) -> None:
+        """Write to a temp file we hold a lock on, then move it into place."""
+        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{key}-", dir=path.parent)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(blob)
-                    f.flush()
-                    os.fsync(f.fileno())
+            with os.fdopen(fd, "wb") as f:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # "a live writer": reclaim leaves it alone
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
                 if not self._publish(key, tmp, path):
-                    Path(tmp).unlink(missing_ok=True)
-                    return False
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-        except OSError as e:  # disk full, read-only, gone: the caller carries on without us
-            self._sql("DELETE FROM entries WHERE key = ?", (key,))
-            with self._lock:
-                self.write_errors += 1
-                self.last_error = f"{type(e).__name__}: {e}"
-            if self.write_errors == 1:  # say so once; the stats keep counting
-                log.warning("disk tier %s cannot be written (%s); carrying on with the other tiers",
-                            self.root, self.last_error)
-            return False
-        return True
+                    raise FileNotFoundError("evicted by another writer while being written")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _write_failed(self, e: BaseException) -> None:
+        with self._lock:
+            self.write_errors += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+        if self.write_errors == 1:  # say so once; the stats keep counting
+            log.warning("disk tier %s cannot be written (%s); carrying on with the other tiers",
+                        self.root, self.last_error)
 
     def _reserve(self, key: str, size: int, learned: bool = False, tokens: int = 0) -> bool:
         """Record ``key`` in the index, evicting entries so the total stays within the
@@ -232,30 +245,26 @@ class DiskStore:
         cap = self.capacity_bytes
         if cap is not None and size > cap:
             return False
-        evicted: list[str] = []
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                db.execute("DELETE FROM entries WHERE key = ?", (key,))
-                if cap is not None:
-                    total = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM entries").fetchone()[0]
-                    victims = db.execute("SELECT key, bytes FROM entries ORDER BY learned DESC, used").fetchall()
-                    for old, nbytes in victims:
-                        if total + size <= cap:
-                            break
-                        db.execute("DELETE FROM entries WHERE key = ?", (old,))
-                        evicted.append(old)
-                        total -= nbytes
-                db.execute("INSERT INTO entries (key, bytes, used, learned, tokens) VALUES (?, ?, ?, ?, ?)",
-                           (key, size, time.time(), int(learned), tokens))
-                for old in evicted:  # files go inside the transaction: no overshoot on disk
-                    self.path(old).unlink(missing_ok=True)
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            self.evictions += len(evicted)
+
+        def reserve(db: sqlite3.Connection) -> list[str]:
+            evicted: list[str] = []
+            db.execute("DELETE FROM entries WHERE key = ?", (key,))
+            if cap is not None:
+                total = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM entries").fetchone()[0]
+                for old, nbytes in db.execute("SELECT key, bytes FROM entries ORDER BY learned DESC, used").fetchall():
+                    if total + size <= cap:
+                        break
+                    db.execute("DELETE FROM entries WHERE key = ?", (old,))
+                    evicted.append(old)
+                    total -= nbytes
+            db.execute("INSERT INTO entries (key, bytes, used, learned, tokens) VALUES (?, ?, ?, ?, ?)",
+                       (key, size, time.time(), int(learned), tokens))
+            for old in evicted:  # files go inside the transaction: no overshoot on disk
+                self._unlink(old)
+            return evicted
+
+        evicted = self.index.transaction(reserve)
+        self.evictions += len(evicted)  # type: ignore[arg-type]
         return True
 
     def _publish(self, key: str, tmp: str, path: Path) -> bool:
@@ -263,54 +272,71 @@ class DiskStore:
         process may have evicted it while we wrote; its eviction (index row and file) and
         this move are each one write transaction, so they cannot interleave and no file
         outside the index, hence over the capacity, is left behind."""
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                kept = db.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is not None
-                if kept:
-                    os.replace(tmp, path)  # readers see no entry, the old one or the whole new one
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-        return kept
+        def publish(db: sqlite3.Connection) -> bool:
+            kept = db.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is not None
+            if kept:
+                os.replace(tmp, path)  # readers see no entry, the old one or the whole new one
+            return kept
 
-    def delete(self, key: str) -> bool:
-        self._sql("DELETE FROM entries WHERE key = ?", (key,))
+        return bool(self.index.transaction(publish))
+
+    def _unlink(self, key: str) -> bool:
+        path = self.path(key)
+        if path.parent.is_symlink():
+            return False
         try:
-            self.path(key).unlink()
+            path.unlink()  # a symlinked entry: the link goes, never its target
             return True
         except FileNotFoundError:
             return False
 
+    def delete(self, key: str) -> bool:
+        self.index.write("DELETE FROM entries WHERE key = ?", (key,))
+        return False if self.index.read_only else self._unlink(key)
+
     def clear(self) -> None:
-        for p in self.root.glob("??/*.safetensors"):
-            p.unlink(missing_ok=True)
-        self._sql("DELETE FROM entries")
+        """Delete every entry file of this store (and nothing else) and its index rows."""
+        if self.index.read_only:
+            raise PermissionError(f"disk store {self.root} is read-only: {self.index.problem}")
+        for _, path in self.files()[0]:
+            path.unlink(missing_ok=True)
+        self.index.write("DELETE FROM entries")
 
     # -- maintenance ---------------------------------------------------------------
-    def verify(self, progress=None) -> dict[str, int]:
-        """Read every entry fully; drop the ones that fail. Returns counts."""
-        return verify_entries(self, progress)
+    def reclaim(self, min_age_s: float = 2.0) -> int:
+        """Delete temp files no live writer holds (left by a killed one); the bytes they
+        took count in ``reclaimed_bytes``.  Returns how many went."""
+        removed, nbytes = reclaim_temp(self.root, min_age_s)
+        self.reclaimed_bytes += nbytes
+        return removed
 
-    def gc(self, older_than_s: float = 3600.0) -> dict[str, int]:
-        """Remove temp files left by killed writers and index rows whose file is gone."""
-        now, tmp_removed = time.time(), 0
-        for p in self.root.glob(f"??/{_TMP_PREFIX}*"):
-            if now - p.stat().st_mtime > older_than_s:
-                p.unlink(missing_ok=True)
-                tmp_removed += 1
-        stale = [k for k in self.keys() if not self.path(k).is_file()]
+    def verify(self, progress=None) -> dict[str, int]:
+        """Read every entry fully and drop the ones that fail; drop index rows whose file
+        is gone; report stray files (left alone)."""
+        counts = verify_entries(self, progress)
+        return counts | self.gc()
+
+    def gc(self, older_than_s: float = 2.0) -> dict[str, int]:
+        """Reclaim temp files of killed writers and drop index rows without a file (but
+        not those of writes in flight); stray files are counted, never deleted."""
+        if self.index.read_only:
+            raise PermissionError(f"disk store {self.root} is read-only: {self.index.problem}")
+        removed = self.reclaim(older_than_s)
+        busy = in_flight(self.root)
+        stale = [k for k in self.keys() if k not in busy and self._file(k) is None]
         for k in stale:
-            self._sql("DELETE FROM entries WHERE key = ?", (k,))
-        return {"temp_files_removed": tmp_removed, "stale_index_rows": len(stale)}
+            self.index.write("DELETE FROM entries WHERE key = ?", (k,))
+        return {"temp_files_removed": removed, "stale_index_rows": len(stale), "stray_files": len(self.files()[1])}
 
     def stats(self) -> dict:
-        learned, tokens, counted = self._sql(
+        learned, tokens, counted = self.index.sql(
             "SELECT COALESCE(SUM(learned), 0), COALESCE(SUM(tokens), 0), COALESCE(SUM(bytes), 0) FROM entries "
             "WHERE tokens > 0")[0]
-        return {"tier": "disk", "path": str(self.root), "entries": len(self), "learned_entries": int(learned),
-                "bytes": self.nbytes, "bytes_per_token": round(counted / tokens) if tokens else None,
-                "capacity_bytes": self.capacity_bytes, "corrupt": self.corrupt, "evictions": self.evictions,
-                "write_errors": self.write_errors, "last_error": self.last_error}
+        return {"tier": "disk", "path": str(self.root), "namespace": self.namespace, "signed": self.signer is not None,
+                "entries": len(self), "learned_entries": int(learned), "bytes": self.nbytes,
+                "bytes_per_token": round(counted / tokens) if tokens else None,
+                "capacity_bytes": self.capacity_bytes, "corrupt": self.corrupt, "unsigned": self.unsigned,
+                "evictions": self.evictions, "write_errors": self.write_errors,
+                "skipped_writes": self.skipped_writes, "reclaimed_bytes": self.reclaimed_bytes,
+                "read_only": self.index.read_only, "index_rebuilds": self.index.rebuilds,
+                "last_error": self.last_error or self.index.problem}

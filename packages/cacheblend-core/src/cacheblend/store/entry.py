@@ -83,6 +83,25 @@ class PrefixView:
         return k[:, : self.num_tokens], v[:, : self.num_tokens]
 
 
+class ShapeChecked:
+    """A stored source whose every layer must be ``[kv_heads, tokens, head_dim]`` of the
+    model reading it.  Digests prove the bytes are what was written, not that the writer
+    wrote this model's shape: a mismatch is found before any tensor math, the entry is
+    dropped (``on_bad``) and the read fails as a damaged one does (it is recomputed)."""
+
+    def __init__(self, source: LayerSource, kv_heads: int, head_dim: int, on_bad) -> None:
+        self.source, self.shape, self._on_bad = source, (kv_heads, source.num_tokens, head_dim), on_bad
+        self.num_tokens, self.num_layers, self.meta = source.num_tokens, source.num_layers, source.meta
+        self.tier = getattr(source, "tier", "memory")
+
+    def layer(self, index: int) -> tuple[Tensor, Tensor]:
+        k, v = self.source.layer(index)
+        if tuple(k.shape) != self.shape or tuple(v.shape) != self.shape:
+            self._on_bad()
+            raise CorruptEntry(f"layer {index} has shape {tuple(k.shape)}, the model needs {self.shape}")
+        return k, v
+
+
 def _raw(t: Tensor):
     """A zero-copy byte view of ``t`` (any dtype, bfloat16 included)."""
     return t.contiguous().view(torch.uint8).numpy()

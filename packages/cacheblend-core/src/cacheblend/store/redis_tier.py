@@ -22,9 +22,13 @@ import torch
 
 from ..cache.keys import is_entry_key
 from .entry import ChunkKV, CorruptEntry, layer_bytes, layer_digest, read_entry, verify_entries
+from .signing import SIGNATURE, Signer
 
 log = logging.getLogger("cacheblend.store")
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+_REFUSED = object()  # what ``call`` returns when the server refused a command
+# Server answers that mean the tier is unusable as configured, not that one entry is bad.
+_UNUSABLE = ("DB index", "NOAUTH", "WRONGPASS", "NOPERM", "invalid DB")
 
 
 class RedisSource:
@@ -34,25 +38,29 @@ class RedisSource:
         self._tier, self.key = tier, key
         self.num_layers = int(meta["layers"])
         self.num_tokens = int(meta["tokens"])
-        self._shape = tuple(meta["shape"])  # per layer: kv_heads, tokens, head_dim
+        self._shape = tuple(int(n) for n in meta["shape"])  # per layer: kv_heads, tokens, head_dim
         self._dtype = _DTYPES[meta["dtype"]]
-        self._digests = meta["layer_sha256"]
+        self._digests = list(meta["layer_sha256"])
+        if len(self._digests) != self.num_layers or len(self._shape) != 3 or self._shape[1] != self.num_tokens:
+            raise ValueError("meta does not describe its layers")
+        if tier.signer is not None and not tier.signer.valid(key, meta, self._digests):
+            tier.unsigned += 1
+            raise ValueError("no valid signature")
         self.meta = {k: str(v) for k, v in meta.items() if k not in ("layer_sha256", "shape")}
 
     def layer(self, index: int):
-        blob = self._tier.call(lambda r: r.get(self._tier.entry_name(self.key, index)))
+        blob = self._tier.call(lambda r: r.get(self._tier.entry_name(self.key, index)), refused=_REFUSED)
         if blob is None:
             raise CorruptEntry(f"{self.key}: layer {index} missing (evicted or unreachable)")
-        flat = torch.frombuffer(bytearray(blob), dtype=self._dtype)
-        if flat.numel() % 2:
-            self._tier.condemn(self.key)
-            raise CorruptEntry(f"{self.key}: layer {index} has an odd size")
-        half = flat.numel() // 2
         try:
+            if blob is _REFUSED:  # e.g. WRONGTYPE: something else sits under our name
+                raise ValueError("not a string value")
+            flat = torch.frombuffer(bytearray(blob), dtype=self._dtype)
+            half = flat.numel() // 2
             k, v = flat[:half].view(self._shape), flat[half:].view(self._shape)
-        except RuntimeError as e:
+        except (ValueError, RuntimeError) as e:  # a size that is no whole layer, a wrong type
             self._tier.condemn(self.key)
-            raise CorruptEntry(f"{self.key}: layer {index} has the wrong size") from e
+            raise CorruptEntry(f"{self.key}: layer {index} has the wrong size or type: {e}") from e
         if layer_digest(k, v) != self._digests[index]:
             self._tier.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} fails its checksum")
@@ -63,57 +71,77 @@ class RedisStore:
     """A tier on a Redis server given as ``redis://HOST:PORT/DB``."""
 
     def __init__(self, url: str, prefix: str = "cacheblend", ttl_s: int | None = None,
-                 timeout_s: float = 0.5, backoff_s: float = 5.0) -> None:
+                 timeout_s: float = 0.5, backoff_s: float = 5.0, signer: Signer | None = None) -> None:
         import redis
 
-        self.url, self.prefix, self.ttl_s, self.backoff_s = url, prefix, ttl_s, backoff_s
+        self.url, self.prefix, self.ttl_s, self.backoff_s, self.signer = url, prefix, ttl_s, backoff_s, signer
         self.safe_url = redact(url)  # what logs and stats show: never the password
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._refusal = redis.exceptions.ResponseError
         self._down_until = 0.0
         self._lock = threading.Lock()
         self.corrupt = 0
+        self.unsigned = 0
         self.unreachable = 0
+        self.refused = 0
         self.last_error: str | None = None
 
     def _is_entry_name(self, name: bytes) -> bool:
         """``PREFIX:{64 hex}:{meta or a layer index}``: a name this tier wrote."""
-        head, _, rest = name.decode(errors="replace").partition(":")
-        key, _, part = rest.partition(":")
-        return head == self.prefix and is_entry_key(key) and (part == "meta" or part.isdigit())
+        text = name.decode(errors="replace")
+        if not text.startswith(self.prefix + ":"):
+            return False
+        key, _, part = text[len(self.prefix) + 1:].partition(":")
+        return is_entry_key(key) and (part == "meta" or part.isdigit())
 
     def entry_name(self, key: str, part: int | str) -> str:
         return f"{self.prefix}:{key}:{part}"
 
-    def call(self, fn):
-        """Run ``fn(client)``; a connection failure is a miss, and the tier rests a while."""
+    def call(self, fn, refused=None):
+        """Run ``fn(client)``; a connection failure is a miss, and the tier rests a while.
+        A command the server refuses (out of memory under ``noeviction``, a wrong type, a
+        bad DB index) is counted and logged and returns ``refused``: never an exception."""
         if time.monotonic() < self._down_until:
             return None
         try:
             return fn(self._client)
         except self._errors as e:
-            with self._lock:
-                self.unreachable += 1
-                self.last_error = f"{type(e).__name__}: {e}"
-                self._down_until = time.monotonic() + self.backoff_s
-            log.warning("redis tier %s unreachable (%s); local tiers serve, retry in %.0f s",
-                        self.safe_url, self.last_error, self.backoff_s)
+            self._failed("unreachable", e, self.backoff_s)
             return None
+        except self._refusal as e:
+            unusable = any(s in str(e) for s in _UNUSABLE)
+            self._failed("refused", e, self.backoff_s if unusable else 0.0)
+            return None if unusable else refused
+
+    def _failed(self, counter: str, e: Exception, rest_s: float) -> None:
+        with self._lock:
+            setattr(self, counter, getattr(self, counter) + 1)
+            first = self.last_error is None or not self.last_error.endswith(str(e))
+            self.last_error = f"{type(e).__name__}: {e}"
+            if rest_s:
+                self._down_until = time.monotonic() + rest_s
+        if rest_s or first:  # a refusal repeated on every request is logged once
+            log.warning("redis tier %s %s (%s); local tiers serve%s", self.safe_url,
+                        "unreachable" if counter == "unreachable" else "refused a command", self.last_error,
+                        f", retry in {rest_s:.0f} s" if rest_s else "")
 
     @property
     def available(self) -> bool:
         return self.call(lambda r: r.ping()) is True
 
     def open(self, key: str) -> RedisSource | None:
-        raw = self.call(lambda r: r.get(self.entry_name(key, "meta")))
+        raw = self.call(lambda r: r.get(self.entry_name(key, "meta")), refused=_REFUSED)
         if raw is None:
             return None
         try:
+            if raw is _REFUSED:
+                raise ValueError("meta is not a string value")
             meta = json.loads(raw)
             if meta.get("key") != key:
                 raise ValueError("meta names another key")
             return RedisSource(self, key, meta)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             self.last_error = f"bad meta for {key}: {e}"
             self.condemn(key)
             return None
@@ -122,11 +150,13 @@ class RedisStore:
         return read_entry(self.open(key))
 
     def put(self, key: str, kv: ChunkKV) -> bool:
-        meta = {str(k): str(v) for k, v in kv.meta.items()} | {
+        digests = [layer_digest(*kv.layer(i)) for i in range(kv.num_layers)]
+        meta: dict[str, object] = {str(k): str(v) for k, v in kv.meta.items() if k != SIGNATURE} | {
             "key": key, "layers": kv.num_layers, "tokens": kv.num_tokens, "dtype": str(kv.k.dtype),
-            "shape": list(kv.k.shape[1:]),
-            "layer_sha256": [layer_digest(*kv.layer(i)) for i in range(kv.num_layers)],
+            "shape": list(kv.k.shape[1:]), "layer_sha256": digests,
         }
+        if self.signer is not None:
+            meta[SIGNATURE] = self.signer.sign(key, meta, digests)
 
         def write(r):
             pipe = r.pipeline(transaction=True)
@@ -157,7 +187,7 @@ class RedisStore:
 
     def keys(self) -> list[str]:
         found = self.call(lambda r: list(r.scan_iter(match=f"{self.prefix}:*:meta", count=1000))) or []
-        return [n.decode().split(":")[-2] for n in found]
+        return [n.decode().split(":")[-2] for n in found if self._is_entry_name(n)]
 
     def clear(self) -> None:
         """Delete every entry of this tier, and nothing else under its prefix (the vLLM
@@ -191,9 +221,10 @@ class RedisStore:
 
     def stats(self) -> dict:
         info = self.call(lambda r: r.info("memory")) or {}
-        return {"tier": "redis", "url": self.safe_url, "entries": len(self.keys()),
-                "bytes": info.get("used_memory"), "corrupt": self.corrupt,
-                "unreachable": self.unreachable, "last_error": self.last_error}
+        return {"tier": "redis", "url": self.safe_url, "prefix": self.prefix, "signed": self.signer is not None,
+                "entries": len(self.keys()), "bytes": info.get("used_memory"), "corrupt": self.corrupt,
+                "unsigned": self.unsigned, "unreachable": self.unreachable, "refused": self.refused,
+                "last_error": self.last_error}
 
 
 def redact(url: str) -> str:

@@ -1,0 +1,308 @@
+"""Damage that must degrade service, never fail it (issue 14, items 7-10; each of these
+failed before the fix): a damaged or read-only index, stray and dangling files, a full
+disk, entries of the wrong shape, Redis answers that are not data, killed writers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+import torch
+
+from cacheblend import Engine
+from cacheblend.store import ChunkKV, DiskStore, MemoryStore, TieredStore
+from conftest import PASSAGES, QUERY, make_tiny_model
+
+GEN = dict(max_new_tokens=6)
+KEY = "ab" + "5" * 62
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, default_model_dir):
+    return make_tiny_model(tmp_path_factory.mktemp("heal"), "llama", default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return Engine.load(model, store="memory").generate(QUERY, PASSAGES, **GEN).token_ids
+
+
+def _kv(seed=0, tokens=50, learned=False):
+    g = torch.Generator().manual_seed(seed)
+    meta = {"origin": "learned"} if learned else {}
+    return ChunkKV(torch.randn(4, 2, tokens, 16, generator=g), torch.randn(4, 2, tokens, 16, generator=g), meta)
+
+
+def _key(i: int) -> str:
+    return f"{i + 1:064x}"
+
+
+@contextlib.contextmanager
+def immutable(*paths):
+    """Make paths read-only even for root (``chattr +i``), as a read-only mount would."""
+    done = []
+    try:
+        for p in paths:
+            if subprocess.run(["chattr", "+i", str(p)], capture_output=True).returncode != 0:
+                pytest.skip("chattr +i is not available here (needs root on ext4/xfs)")
+            done.append(p)
+        yield
+    finally:
+        for p in done:
+            subprocess.run(["chattr", "-i", str(p)], capture_output=True)
+
+
+# -- 7. the index ------------------------------------------------------------------------
+def test_a_damaged_index_is_moved_aside_and_rebuilt_from_the_headers(model, reference, tmp_path):
+    root = tmp_path / "kv"
+    engine = Engine.load(model, store=f"disk:{root}")
+    engine.ingest(PASSAGES)
+    engine.store.put(_key(0), _kv(learned=True))
+    before = engine.store.stats()
+    engine.store.index.close()  # checkpointed: the rows now live in the file
+    index = root / "index.sqlite3"
+    with open(index, "r+b") as f:  # several pages overwritten (a checkpointed WAL lives in the file)
+        for page in range(0, max(4, index.stat().st_size // 4096)):
+            f.seek(page * 4096 + 100)
+            f.write(os.urandom(512))
+    again = Engine.load(model, store=f"memory,disk:{root}")
+    disk = again.store.tiers[1]
+    stats = disk.stats()
+    assert again.generate(QUERY, PASSAGES, **GEN).token_ids == reference
+    assert stats["index_rebuilds"] == 1 and (root / "index.sqlite3.damaged").exists()
+    for field in ("entries", "learned_entries", "bytes_per_token"):
+        assert stats[field] == before[field], field
+    for action in ("verify", "gc"):
+        assert getattr(disk, action)()["stale_index_rows"] == 0
+
+
+def test_an_index_damaged_while_serving_heals_in_place(tmp_path):
+    store = DiskStore(tmp_path)
+    for i in range(3):
+        store.put(_key(i), _kv(i))
+    store.index.close()
+    (tmp_path / "index.sqlite3").write_bytes(b"this is not a database" * 200)
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / f"index.sqlite3{suffix}").unlink(missing_ok=True)
+    store.index._db = __import__("sqlite3").connect(tmp_path / "index.sqlite3", check_same_thread=False,  # noqa: SLF001
+                                                    isolation_level=None)
+    assert store.get(_key(1)) is not None and len(store) == 3 and store.index.rebuilds == 1
+
+
+def _ingest_and_close(model, root):
+    engine = Engine.load(model, store=f"disk:{root}")
+    engine.ingest(PASSAGES)
+    engine.store.index.close()  # no connection of ours may write the files once they are read-only
+
+
+def test_a_read_only_index_serves_hits_and_skips_writes(model, reference, tmp_path, caplog):
+    root = tmp_path / "kv"
+    _ingest_and_close(model, root)
+    files = [root / "index.sqlite3", root / "index.sqlite3-wal", root / "index.sqlite3-shm"]
+    with immutable(*[f for f in files if f.exists()]), caplog.at_level("WARNING"):
+        engine = Engine.load(model, store=f"disk:{root}")
+        result = engine.generate(QUERY, PASSAGES, **GEN)
+        assert result.token_ids == reference and result.stats.store_hits >= len(PASSAGES)
+        engine.ingest(["a passage the store cannot take"])
+        assert engine.store.stats()["read_only"] is True
+    assert "read-only" in caplog.text
+
+
+def test_a_read_only_store_directory_serves_read_only(model, reference, tmp_path, caplog):
+    root = tmp_path / "kv"
+    _ingest_and_close(model, root)
+    paths = sorted(root.rglob("*"), reverse=True) + [root]
+    with immutable(*paths), caplog.at_level("WARNING"):
+        engine = Engine.load(model, store=f"memory,disk:{root}")
+        assert engine.generate(QUERY, PASSAGES + ["new text"], **GEN).token_ids
+        assert engine.generate(QUERY, PASSAGES, **GEN).token_ids == reference
+        assert engine.store.tiers[1].read_only
+    assert str(root) in caplog.text
+
+
+# -- 8. strays, symlinks, capacity -------------------------------------------------------
+def test_stray_and_dangling_files_are_skipped_and_reported(model, reference, tmp_path):
+    root = tmp_path / "kv"
+    Engine.load(model, store=f"disk:{root}").ingest(PASSAGES)
+    (root / "ab").mkdir(exist_ok=True)
+    (root / "ab" / "notakey.safetensors").write_bytes(b"junk")
+    (root / "ab" / f"{KEY}.safetensors").symlink_to(tmp_path / "gone.safetensors")  # dangling
+    (root / "index.sqlite3").unlink()  # an index loss: rebuilt from what is there
+    store = DiskStore(root)
+    assert store.verify()["stray_files"] == 2 and store.gc()["stray_files"] == 2
+    assert (root / "ab" / "notakey.safetensors").exists()
+    assert Engine.load(model, store=f"disk:{root}").generate(QUERY, PASSAGES, **GEN).token_ids == reference
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MB filesystem (tmpfs), to fill up."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_skips_writes_and_never_fails_a_request(model, reference, small_disk, caplog):
+    disk_only = Engine.load(model, store=f"disk:{small_disk / 'a'}")
+    tiered = Engine.load(model, store=f"memory,disk:{small_disk / 'b'}")
+    st = os.statvfs(small_disk)
+    (small_disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 8192))  # the disk is full
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            assert disk_only.generate(QUERY, PASSAGES, **GEN).token_ids == reference
+        assert tiered.generate(QUERY, PASSAGES, **GEN).token_ids == reference
+        tiered.store.flush()
+    assert disk_only.store.stats()["write_errors"] >= 1 and "cannot be written" in caplog.text
+
+
+def test_killed_writers_temp_files_are_reclaimed_at_open(tmp_path):
+    root = tmp_path / "kv"
+    DiskStore(root)
+    (root / "ab").mkdir()
+    orphan = root / "ab" / f".tmp-{KEY}-x1"
+    orphan.write_bytes(b"\0" * 100_000)
+    old = time.time() - 60
+    os.utime(orphan, (old, old))
+    store = DiskStore(root)
+    assert not orphan.exists() and store.stats()["reclaimed_bytes"] == 100_000
+
+
+def test_a_live_writers_temp_file_is_left_alone(tmp_path):
+    import fcntl
+
+    store = DiskStore(tmp_path)
+    (tmp_path / "ab").mkdir()
+    live = tmp_path / "ab" / f".tmp-{KEY}-x2"
+    with open(live, "wb") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        os.utime(live, (time.time() - 60, time.time() - 60))
+        assert store.gc(older_than_s=0)["temp_files_removed"] == 0 and live.exists()
+    assert store.gc(older_than_s=0)["temp_files_removed"] == 1
+
+
+def test_verify_drops_index_rows_without_a_file(tmp_path):
+    store = DiskStore(tmp_path)
+    store.put(_key(0), _kv())
+    store.path(_key(0)).unlink()
+    assert store.verify()["stale_index_rows"] == 1 and len(store) == 0
+
+
+# -- 9. entries that are not what they claim ---------------------------------------------
+def _reshaped(kv: ChunkKV) -> ChunkKV:
+    """Same bytes, another shape: [layers, kv_heads*2, tokens, head_dim/2]."""
+    n_layers, heads, tokens, dim = kv.k.shape
+    def f(t):
+        return t.reshape(n_layers, heads, tokens, 2, dim // 2).permute(0, 1, 3, 2, 4).reshape(
+            n_layers, heads * 2, tokens, dim // 2).contiguous()
+    return ChunkKV(f(kv.k), f(kv.v), kv.meta)
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+@pytest.mark.parametrize("damage", ["shape", "fewer_layers"])
+def test_entries_of_the_wrong_shape_are_recomputed_and_replaced(model, reference, tmp_path, redis_server, tier, damage):
+    spec = f"disk:{tmp_path / 'kv'}" if tier == "disk" else redis_server.url
+    engine = Engine.load(model, store=spec)
+    handles = engine.ingest(PASSAGES)
+    store = engine.store
+    good = store.get(handles[1].key)
+    bad = _reshaped(good) if damage == "shape" else ChunkKV(good.k[:2], good.v[:2], good.meta)
+    store.put(handles[1].key, bad)  # valid digests, the wrong shape
+    result = Engine.load(model, store=spec).generate(QUERY, PASSAGES, **GEN)
+    assert result.token_ids == reference and result.stats.store_rejected >= 1
+    assert torch.equal(store.get(handles[1].key).k, good.k)  # replaced
+    store.clear()
+
+
+@pytest.mark.parametrize("damage", ["three_bytes", "wrong_type_layer", "wrong_type_meta"])
+def test_redis_values_that_are_not_layers_are_dropped(model, reference, redis_server, damage):
+    engine = Engine.load(model, store=redis_server.url)
+    key = engine.ingest(PASSAGES)[2].key
+    client = redis.Redis.from_url(redis_server.url)
+    layer, meta = f"cacheblend:{key}:0", f"cacheblend:{key}:meta"
+    if damage == "three_bytes":
+        client.set(layer, b"abc")
+    elif damage == "wrong_type_layer":
+        client.delete(layer)
+        client.rpush(layer, b"x")
+    else:
+        client.delete(meta)
+        client.hset(meta, "a", "b")
+    for _ in range(2):
+        r = Engine.load(model, store=redis_server.url).generate(QUERY, PASSAGES, **GEN)
+        assert r.token_ids == reference
+    assert client.type(meta) == b"string" and client.type(layer) == b"string"  # replaced
+    engine.store.clear()
+
+
+def test_a_redis_that_refuses_writes_or_has_no_such_db_is_a_miss(model, reference, redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", str(client.info("memory")["used_memory"] + 10_000))
+    try:
+        engine = Engine.load(model, store=f"memory,{redis_server.url}")
+        assert engine.generate(QUERY, PASSAGES, **GEN).token_ids == reference
+        engine.store.flush()
+        alone = Engine.load(model, store=redis_server.url)
+        assert alone.generate(QUERY, PASSAGES, **GEN).token_ids == reference
+        assert alone.store.stats()["refused"] >= 1
+    finally:
+        client.config_set("maxmemory", "0")
+    bad_db = redis_server.url.rsplit("/", 1)[0] + "/99"
+    assert Engine.load(model, store=bad_db).generate(QUERY, PASSAGES, **GEN).token_ids == reference
+
+
+# -- 10. killed writers in earnest ----------------------------------------------------------
+_WRITER = """
+import sys, torch
+from cacheblend.store import ChunkKV, DiskStore
+store = DiskStore(sys.argv[1])
+kv = ChunkKV(torch.randn(16, 8, 1024, 64), torch.randn(16, 8, 1024, 64))
+print("ready", flush=True)
+i = 0
+while True:
+    store.put(f"{i % 7 + 1:064x}", kv)
+    i += 1
+"""
+
+
+def test_kill_9_during_writes_leaves_nothing_unaccounted(tmp_path):
+    root = tmp_path / "kv"
+    DiskStore(root)
+    for _ in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        deadline = time.time() + 60
+        while not list(root.glob("??/.tmp-*")) and time.time() < deadline:
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    time.sleep(2.1)  # past the grace a just-created temp file gets
+    store = DiskStore(root)
+    assert not list(root.glob("??/.tmp-*")) and store.stats()["reclaimed_bytes"] > 0
+    store.verify()
+    on_disk = sum(p.stat().st_size for p in root.glob("??/*.safetensors"))
+    assert store.nbytes == on_disk and store.corrupt == 0
+    shutil.rmtree(root)
+
+
+def test_the_tiers_report_what_they_skipped(tmp_path):
+    store = TieredStore([MemoryStore(), DiskStore(tmp_path, capacity_bytes=10_000)])
+    store.put(_key(0), _kv())  # larger than the disk tier: skipped there, counted
+    store.flush()
+    assert store.stats()["failed_writes"] == 1 and store.tiers[1].stats()["skipped_writes"] == 1
+    assert json.dumps(store.stats())
