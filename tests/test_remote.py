@@ -259,6 +259,46 @@ def test_bad_input_and_bad_servers_are_named(server, remote, example):
         remote.start_chat(long)
 
 
+def post(server, path: str, body: bytes) -> tuple[int, dict]:
+    """POST raw JSON to the server; (status, decoded reply), errors included."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{server.base_url}{path}", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bad_kv_transfer_params_get_400_and_the_server_stays_up(server, remote, example):
+    """Malformed hints are answered with HTTP 400 naming the field (the guard the server is
+    started with); the server keeps answering good requests."""
+    import urllib.request
+
+    model = json.dumps(remote.model_name)
+    bad = [('{"chunks": [[0, 1e400]]}', "chunks[0]"), ('{"cacheblend": "release", "ids": ["x"]}', "ids"),
+           ('{"check_layers": [99]}', "check_layers"), ('{"deviation": "q"}', "deviation"),
+           ('{"recompute_ratio": 1.5}', "recompute_ratio"), ('{"method": "prefix"}', "method"),
+           ('{"ratio": 0.2}', "unknown fields")]
+    for params, field in bad:
+        for path, prompt in (("/completions", '"prompt": [1, 2, 3, 4]'),
+                             ("/chat/completions", '"messages": [{"role": "user", "content": "Hi"}]')):
+            body = f'{{"model": {model}, {prompt}, "max_tokens": 1, "kv_transfer_params": {params}}}'
+            status, reply = post(server, path, body.encode())
+            assert status == 400, (path, params, status, reply)
+            assert field in reply["error"]["message"] and reply["error"]["param"] == "kv_transfer_params"
+    status, reply = post(server, "/completions", json.dumps(
+        {"model": remote.model_name, "prompt": [1, 2, 3, 4], "max_tokens": 1,
+         "kv_transfer_params": {"cacheblend": "ping"}}).encode())
+    assert status == 200 and reply["kv_transfer_params"]["cacheblend"]["connector"] == "CacheBlendConnector"
+    text, result = answer(remote, example, recompute_ratio=0.15)
+    assert text and result.stats.chunks == len(example.passages)
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=30) as r:
+        assert r.status == 200
+
+
 def test_a_server_without_the_connector_is_refused(tmp_path, default_model_dir, server):
     """Plain vLLM would ignore the chunk spans and answer with full prefill: the client
     says so at connection time instead."""

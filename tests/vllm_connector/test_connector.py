@@ -285,12 +285,21 @@ def test_redis_down_and_back(setup, outputs, blend_llm, redis_server):
     assert load["store_misses"] == 1 and load["store_unreachable"] == 0 and client.dbsize() >= 1
 
 
-def test_malformed_hints_are_ignored_not_raised():
-    """The scheduler side must never raise over a client's hints (it would kill EngineCore)."""
-    from cacheblend.integrations.vllm import valid_spans
+def test_malformed_hints_run_as_plain_vllm(setup, plain, blend_llm):
+    """The offline path has no HTTP guard, and the scheduler side must never raise over a
+    client's hints (it would kill EngineCore): a request with a bad hint runs as plain vLLM
+    (no chunk blended, plain vLLM's token). A check layer past the model's last is refused
+    there too, not left to fail the load (vLLM's default policy would fail the request)."""
+    from vllm import SamplingParams, TokensPrompt
 
-    assert valid_spans([[0, 1e400]], 10) is None and valid_spans([["a", 2]], 10) is None
-    assert valid_spans([[1, 3], [2, 4]], 10) is None and valid_spans([[1, 3]], 10) == [(1, 3)]
+    ids = setup["prompts"][1]
+    bad = [{"chunks": [[0, float("inf")]]}, {"chunks": [[1, len(ids)]]}, {"check_layers": [99]},
+           {"deviation": "q"}, {"cacheblend": "release", "ids": ["x"]}, {"recompute_ratio": 0.15, "ratio": 0.2}]
+    for params in bad:
+        sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": params})
+        (out,) = blend_llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
+        assert out.kv_transfer_params["cacheblend"]["chunks"] == 0, params
+        assert out.outputs[0].token_ids[0] == plain[1][0][0] and out.num_cached_tokens == 0, params
 
 
 def test_fidelity_receipt_and_guard_in_the_marker(setup, plain, blend_llm):

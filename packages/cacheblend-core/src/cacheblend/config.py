@@ -72,7 +72,7 @@ class BlendConfig:
             raise ValueError(f"recompute_ratio must be within [0, 1], got {r!r}")
         if self.deviation not in DEVIATIONS:
             raise ValueError(f"deviation must be one of {DEVIATIONS}, got {self.deviation!r}")
-        if isinstance(self.check_layers, (str, bytes)):
+        if isinstance(self.check_layers, (str, bytes)) or not hasattr(self.check_layers, "__iter__"):
             raise ValueError(f"check_layers must be a sequence of layer indices, got {self.check_layers!r}")
         layers = tuple(self.check_layers)
         if not layers:
@@ -81,6 +81,8 @@ class BlendConfig:
             raise ValueError(f"check_layers must be integers, got {layers}")
         if any(x < 0 for x in layers) or sorted(set(layers)) != list(layers):
             raise ValueError(f"check_layers must be distinct, ascending and >= 0, got {layers}")
+        if not isinstance(self.gradual, bool):  # a JSON client's "false" string would be truthy
+            raise ValueError(f"gradual must be True or False, got {self.gradual!r}")
         if self.gradual_start < 1.0:
             raise ValueError("gradual_start must be >= 1")
         if self.selection not in SELECTIONS:
@@ -227,7 +229,8 @@ class RequestOptions:
         if self.guard and max_risk is None:
             max_risk = GUARD_MAX_RISK
         try:
-            if not isinstance(self.quality_floor, (int, float)) or not 0.0 <= self.quality_floor <= 1.0:
+            floor = self.quality_floor
+            if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
                 raise ValueError(f"quality_floor must be within [0, 1], got {self.quality_floor!r}")
             config = BlendConfig(recompute_ratio=ratio, check_layers=self.check_layers,  # type: ignore[arg-type]
                                  deviation=self.deviation, gradual=self.gradual, selection=self.selection,

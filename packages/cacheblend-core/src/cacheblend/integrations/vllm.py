@@ -29,10 +29,12 @@ How it works (user guide: docs/vllm.md; verified vLLM internals: docs/internals/
 Per request, ``kv_transfer_params`` may carry ``"chunks"`` (``[start, end)`` token spans),
 any selection option of :class:`~cacheblend.config.RequestOptions` (``method``:
 ``"blend"``, ``"reuse"`` or ``"full"``; ``recompute_ratio``, ``check_layers``,
-``deviation``, ``gradual``; invalid ones make the request run as plain vLLM), or an
-operation: ``{"cacheblend": "ingest", "sink": s}`` stores vLLM's own K/V of the chunk
-after ``s`` sink ids; ``{"cacheblend": "release", "ids": [...]}`` deletes a chunk's entry;
-``{"cacheblend": "ping"}`` asks who is there.  Run vLLM with
+``deviation``, ``gradual``, ...), or an operation: ``{"cacheblend": "ingest", "sink": s}``
+stores vLLM's own K/V of the chunk after ``s`` sink ids; ``{"cacheblend": "release",
+"ids": [...]}`` deletes a chunk's entry; ``{"cacheblend": "ping"}`` asks who is there.
+They are checked by :func:`.kv_params.parse_kv_params`: the OpenAI server answers a bad
+one with HTTP 400 (:mod:`.vllm_http`), and here a request with a bad one runs as plain
+vLLM, with the reason in the log (the scheduler must never raise).  Run vLLM with
 ``enable_prefix_caching=False`` (blended blocks must not enter vLLM's prefix cache as if
 exact).  Only the ``vec`` attention ISA (float32 on AVX-512 CPUs) has the verified layout.
 """
@@ -55,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..cache.chunks import LookupCounter
-from ..config import SELECTION_FIELDS, BlendConfig, ConnectorConfig, RequestOptions
+from ..config import ConnectorConfig
 from ..engine import Engine
 from ..errors import CacheBlendError
 from ..generate.decode import KVCache
@@ -63,9 +65,10 @@ from ..models.decoder import apply_rope
 from ..prompt import PromptBuilder
 from ..results import BlendStats
 from ..store import ChunkKV, tier_total
+from .kv_params import KVParams, fit_spans, parse_kv_params
 from .paged import paged_views, read_blocks, write_blocks
 from .registry import REDIS_PASSAGES_KEY, ChunkMatcher, read_passages, register_passages
-from .vllm_meta import BlendLoad, BlendReceipts, CacheBlendMeta, ChunkSave, int_list, request_params, valid_spans
+from .vllm_meta import BlendLoad, BlendReceipts, CacheBlendMeta, ChunkSave, request_params
 
 __all__ = ["REDIS_PASSAGES_KEY", "CacheBlendConnector", "ChunkMatcher", "paged_views", "read_passages",
            "register_passages"]
@@ -92,12 +95,13 @@ class CacheBlendConnector(KVConnectorBase_V1):
         self.min_tokens = self.config.min_tokens if self.config.min_tokens is not None else 2 * self.block_size
         self.model_dir: str = vllm_config.model_config.model
         self.dtype: torch.dtype = vllm_config.model_config.dtype
+        self.num_layers: int = vllm_config.model_config.get_total_num_hidden_layers()
         # scheduler side
         self._matcher: ChunkMatcher | None = None
         self._spans: dict[str, list[tuple[int, int]]] = {}  # req_id -> matched spans (a pure cache)
         self._pending: dict[str, BlendLoad] = {}
         self._ops: dict[str, tuple[str, Any]] = {}  # req_id -> ("ingest", sink) | ("release", ids)
-        self._blends: dict[str, BlendConfig | None] = {}  # req_id -> its selection (None: invalid options)
+        self._hints: dict[str, KVParams | None] = {}  # req_id -> its checked hints (None: invalid)
         self._receipts: dict[str, dict] = {}  # req_id -> fidelity receipt from the worker (scheduler side)
         self._awaiting: dict[str, dict] = {}  # req_id -> marker returned before its receipt came
         # worker side
@@ -121,36 +125,32 @@ class CacheBlendConnector(KVConnectorBase_V1):
         spans = self._spans.get(request.request_id)
         if spans is None:
             ids = list(request.prompt_token_ids or [])
-            params = request_params(request)
+            hints = self._params(request)
             spans = []
-            blend = self._blend_config(request.request_id, params)
-            if params.get("cacheblend") is None and blend is not None and params.get("method", "blend") in (
-                    "blend", "reuse"):
-                given = params.get("chunks")
-                if given is not None:
-                    spans = valid_spans(given, len(ids)) or []
-                    if not spans and given:
-                        log.warning("CacheBlend: ignoring invalid chunk spans of %s", request.request_id)
+            if hints is not None and hints.blends:
+                if hints.chunks is not None:
+                    try:
+                        spans = fit_spans(hints.chunks, len(ids))
+                    except CacheBlendError as e:
+                        log.warning("CacheBlend: running %s as plain vLLM: %s", request.request_id, e)
                 elif len(ids) >= self.min_tokens:
                     spans = self._get_matcher().find(ids, end_limit=len(ids) - 1)
             self._spans[request.request_id] = spans
         return spans
 
-    def _blend_config(self, req_id: str, params: dict) -> BlendConfig | None:
-        """The request's selection: the server's defaults with the request's options; None
-        (the request then runs as plain vLLM) if they are invalid: the scheduler must never
-        fail a request over its hints."""
-        if req_id not in self._blends:
-            keys = ("method", "recompute_ratio", "quality_floor", *SELECTION_FIELDS)
+    def _params(self, request: Any) -> KVParams | None:
+        """The request's hints over the server's defaults, checked once; None (the request
+        then runs as plain vLLM, the reason logged) if any is invalid: the scheduler must
+        never fail a request over its hints."""
+        req_id = request.request_id
+        if req_id not in self._hints:
             try:
-                opts = RequestOptions.parse({k: params[k] for k in keys if k in params}, base=self.config.defaults)
-                if opts.auto:
-                    raise CacheBlendError("recompute_ratio='auto' needs the in-process Engine")
-                self._blends[req_id] = opts.blend()
-            except CacheBlendError as e:
+                self._hints[req_id] = parse_kv_params(getattr(request, "kv_transfer_params", None),
+                                                      base=self.config.defaults, num_layers=self.num_layers)
+            except Exception as e:  # noqa: BLE001 - CacheBlendError, or anything else: never fatal here
                 log.warning("CacheBlend: running %s as plain vLLM: %s", req_id, e)
-                self._blends[req_id] = None
-        return self._blends[req_id]
+                self._hints[req_id] = None
+        return self._hints[req_id]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         n = len(request.prompt_token_ids or [])
@@ -160,20 +160,19 @@ class CacheBlendConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         ids = list(request.prompt_token_ids or [])
-        params = request_params(request)
-        op = params.get("cacheblend")
-        if op == "ingest" and isinstance(params.get("sink"), int) and 0 <= params["sink"] < len(ids):
-            self._ops[request.request_id] = ("ingest", params["sink"])
-        elif op == "release" and int_list(params.get("ids")) is not None:
-            self._ops[request.request_id] = ("release", int_list(params["ids"]))
-        elif op is not None and op != "ping":  # a ping only asks request_finished who is here
-            log.warning("CacheBlend: unknown or malformed operation %r of %s", op, request.request_id)
+        hints = self._params(request)
+        if hints is not None and hints.op == "ingest" and hints.sink is not None and hints.sink < len(ids):
+            self._ops[request.request_id] = ("ingest", hints.sink)
+        elif hints is not None and hints.op == "release" and hints.ids is not None:
+            self._ops[request.request_id] = ("release", list(hints.ids))
+        elif hints is not None and hints.op == "ingest":
+            log.warning("CacheBlend: ingest request %s has a sink of %s ids in a %d-token prompt; not saved",
+                        request.request_id, hints.sink, len(ids))
         if num_external_tokens <= 0:
             return
-        blend = self._blend_config(request.request_id, params)
-        assert blend is not None  # external tokens are reported only for valid options
+        assert hints is not None  # external tokens are reported only for valid hints
         self._pending[request.request_id] = BlendLoad(request.request_id, ids, [], len(ids) - 1 - num_external_tokens,
-                                                      self._match(request), blend)
+                                                      self._match(request), hints.blend)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """Loads for this step's new requests, and for requests resumed after preemption
@@ -211,7 +210,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         spans = self._spans.pop(request.request_id, None) or []
         self._pending.pop(request.request_id, None)
         self._ops.pop(request.request_id, None)
-        self._blends.pop(request.request_id, None)
+        self._hints.pop(request.request_id, None)
         receipt = self._receipts.pop(request.request_id, None)
         if not request_params(request):
             return False, None

@@ -4,7 +4,7 @@ The scheduler side sends the worker :class:`CacheBlendMeta` each step (which req
 blend, which chunk caches to save or release); the worker sends back
 :class:`BlendReceipts`: the fidelity receipt of each request it blended, which the
 scheduler side returns in that request's response marker.  A request's own hints
-(``kv_transfer_params``) are checked here: a malformed hint is ignored, never fatal.
+(``kv_transfer_params``) are checked in :mod:`.kv_params`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ..config import BlendConfig
 
-__all__ = ["BlendLoad", "BlendReceipts", "CacheBlendMeta", "ChunkSave", "int_list", "request_params", "valid_spans"]
+__all__ = ["BlendLoad", "BlendReceipts", "CacheBlendMeta", "ChunkSave", "request_params"]
 
 
 @dataclass
@@ -53,28 +53,6 @@ def request_params(request: Any) -> dict:
     """The request's ``kv_transfer_params`` (a dict, or empty)."""
     params = getattr(request, "kv_transfer_params", None)
     return params if isinstance(params, dict) else {}
-
-
-def valid_spans(spans: Any, n: int) -> list[tuple[int, int]] | None:
-    """Client-given chunk spans, if they are sorted, disjoint, non-empty and end before the
-    last prompt token (which vLLM must compute); None otherwise (the spans are then ignored:
-    the scheduler must never fail a request over its hints)."""
-    try:
-        out = [(int(a), int(b)) for a, b in spans]
-    except (TypeError, ValueError, OverflowError):  # e.g. [[0, 1e400]]
-        return None
-    prev = 0
-    for a, b in out:
-        if not (prev <= a < b <= n - 1):
-            return None
-        prev = b
-    return out
-
-
-def int_list(value: Any) -> list[int] | None:
-    """``value`` as token ids, or None if it is not a list of integers."""
-    ok = isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    return list(value) if ok else None
 
 
 @dataclass

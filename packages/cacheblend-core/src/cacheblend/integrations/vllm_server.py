@@ -25,6 +25,8 @@ from typing import Any
 from ..config import ConnectorConfig
 
 CONNECTOR_MODULE = "cacheblend.integrations.vllm"
+# The ASGI middleware that answers bad kv_transfer_params with HTTP 400 (vllm_http.py).
+GUARD_MIDDLEWARE = "cacheblend.integrations.vllm_http.KVParamsGuard"
 
 
 def kv_transfer_config(store: str, *, passages: str | None = None, stats: str | None = None,
@@ -73,8 +75,10 @@ class VLLMServer:
                "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_model_len),
                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
         if self.connector is not None:
-            # Blended blocks must not enter vLLM's prefix cache as if they were exact.
-            cmd += ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(self.connector)]
+            # Blended blocks must not enter vLLM's prefix cache as if they were exact; bad
+            # hints get HTTP 400 from the guard instead of reaching the connector.
+            cmd += ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(self.connector),
+                    "--middleware", GUARD_MIDDLEWARE]
         return cmd + list(self.args)
 
     def start(self, timeout: float = 600.0) -> VLLMServer:

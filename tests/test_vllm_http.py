@@ -1,0 +1,186 @@
+"""The HTTP guard in front of vLLM's OpenAI server (``--middleware
+cacheblend.integrations.vllm_http.KVParamsGuard``): bad ``kv_transfer_params`` get HTTP
+400 with a message and never reach the app; everything else reaches it unchanged, streamed
+bodies and responses included.  Driven as a plain ASGI callable, with a fake app; the real
+server is in test_remote.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from cacheblend.integrations.vllm_http import KVParamsGuard
+from cacheblend.integrations.vllm_server import VLLMServer, kv_transfer_config
+
+
+class FakeApp:
+    """Records the body it read and what came after it; answers 200 in two streamed parts."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.state = SimpleNamespace()
+
+    async def __call__(self, scope, receive, send) -> None:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        after = await receive()  # what the client sends next: here, its disconnect
+        self.calls.append({"path": scope.get("path"), "body": body, "after": after["type"]})
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+def call(guard, body: bytes | dict, *, method: str = "POST", path: str = "/v1/completions", parts: int = 1,
+         content_type: bytes | None = b"application/json", app=None) -> tuple[int, bytes, list[dict]]:
+    """One request through ``guard``; (status, response body, sent messages)."""
+    raw = json.dumps(body).encode() if isinstance(body, dict) else body
+    size = max(1, -(-len(raw) // parts))
+    pieces = [raw[i:i + size] for i in range(0, len(raw), size)] or [b""]
+    incoming = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1} for i, p in enumerate(pieces)]
+    incoming.append({"type": "http.disconnect"})
+    sent: list[dict] = []
+
+    async def receive():
+        return incoming.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"content-type", content_type)] if content_type else []
+    scope = {"type": "http", "method": method, "path": path, "headers": headers, "app": app}
+    asyncio.run(guard(scope, receive, send))
+    status = sent[0]["status"]
+    return status, b"".join(m.get("body", b"") for m in sent[1:]), sent
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"chunks": [[0, float("inf")]]}, "chunks[0]"),
+    ({"cacheblend": "release", "ids": ["x"]}, "ids"),
+    ({"check_layers": [1.5]}, "check_layers"),
+    ({"deviation": "q"}, "deviation"),
+    ({"recompute_ratio": 2}, "recompute_ratio"),
+    ({"method": "prefix"}, "method"),
+    ({"selection": "random"}, "selection"),
+    ({"ratio": 0.2}, "unknown fields ['ratio']"),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_bad_params_get_400_and_never_reach_vllm(params, field, path):
+    app = FakeApp()
+    status, body, sent = call(KVParamsGuard(app), {"model": "m", "prompt": [1, 2], "kv_transfer_params": params},
+                              path=path)
+    error = json.loads(body)["error"]
+    assert status == 400 and app.calls == []
+    assert field in error["message"] and error["message"].startswith("kv_transfer_params: ")
+    assert (error["type"], error["param"], error["code"]) == ("BadRequestError", "kv_transfer_params", 400)
+    assert (b"content-type", b"application/json") in sent[0]["headers"]
+
+
+def test_json_that_python_reads_as_infinity_gets_400():
+    app = FakeApp()
+    raw = b'{"prompt": [1, 2], "kv_transfer_params": {"chunks": [[0, 1e400]]}}'
+    status, body, _ = call(KVParamsGuard(app), raw, parts=3)
+    assert status == 400 and "chunks[0] = [0, inf]" in json.loads(body)["error"]["message"] and not app.calls
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": [1, 2], "kv_transfer_params": {"chunks": [[0, 1]], "recompute_ratio": 0.15}},
+    {"prompt": [1, 2], "kv_transfer_params": {"cacheblend": "ping"}},
+    {"prompt": [1, 2], "kv_transfer_params": None},
+    {"prompt": [1, 2]},
+    {"messages": [{"role": "user", "content": "hi " * 5000}], "stream": True},
+])
+def test_good_requests_reach_vllm_unchanged_in_pieces(body):
+    app = FakeApp()
+    raw = json.dumps(body).encode()
+    status, answer, sent = call(KVParamsGuard(app), raw, parts=4)
+    assert status == 200 and app.calls == [{"path": "/v1/completions", "body": raw, "after": "http.disconnect"}]
+    assert answer == b"data: 1\n\ndata: [DONE]\n\n" and sent[1]["more_body"]  # the stream is not buffered
+
+
+@pytest.mark.parametrize("raw, kwargs", [
+    (b'{"prompt": [1, 2], "kv_transfer_params": {"chunks": ', {}),  # not JSON: vLLM's own 400
+    (b'[{"kv_transfer_params": {"chunks": "x"}}]', {}),  # not an object
+    (b'{"kv_transfer_params": {"chunks": "x"}}', {"method": "GET"}),
+    (b'{"kv_transfer_params": {"chunks": "x"}}', {"content_type": b"multipart/form-data; boundary=x"}),
+])
+def test_what_is_not_a_json_post_is_left_to_vllm(raw, kwargs):
+    app = FakeApp()
+    status, _, _ = call(KVParamsGuard(app), raw, **kwargs)
+    assert status == 200 and app.calls[0]["body"] == raw
+
+
+def test_no_content_type_is_read_as_json():
+    app = FakeApp()
+    status, _, _ = call(KVParamsGuard(app), {"kv_transfer_params": {"chunks": "x"}}, content_type=None)
+    assert status == 400 and not app.calls
+
+
+def test_a_client_gone_mid_body_reaches_vllm_as_it_came():
+    incoming = [{"type": "http.request", "body": b'{"kv_transfer_params": {"chunks": "x"', "more_body": True},
+                {"type": "http.disconnect"}]
+    seen = []
+
+    async def inner(scope, receive, send):
+        seen.extend([await receive(), await receive()])
+
+    async def receive():
+        return incoming.pop(0)
+
+    async def send(message):
+        raise AssertionError("the guard answered a gone client")
+
+    asyncio.run(KVParamsGuard(inner)({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []},
+                                     receive, send))
+    assert [m["type"] for m in seen] == ["http.request", "http.disconnect"] and seen[0]["more_body"]
+
+
+def vllm_state(connector: str | None, layers: int = 30, extra: dict | None = None) -> SimpleNamespace:
+    """What vLLM keeps in ``app.state``: the parts the guard reads."""
+    kv = None if connector is None else SimpleNamespace(kv_connector=connector, kv_connector_extra_config=extra or {})
+    model = SimpleNamespace(get_total_num_hidden_layers=lambda: layers)
+    return SimpleNamespace(state=SimpleNamespace(vllm_config=SimpleNamespace(kv_transfer_config=kv,
+                                                                               model_config=model)))
+
+
+def test_inside_vllm_the_models_layers_and_server_defaults_count():
+    body = {"prompt": [1, 2], "kv_transfer_params": {"check_layers": [29]}}
+    status, answer, _ = call(KVParamsGuard(FakeApp()), body, app=vllm_state("CacheBlendConnector", layers=24))
+    assert status == 400 and "out of range for a 24-layer model" in json.loads(answer)["error"]["message"]
+    assert call(KVParamsGuard(FakeApp()), body, app=vllm_state("CacheBlendConnector", layers=30))[0] == 200
+    defaults = vllm_state("CacheBlendConnector", layers=24, extra={"store": "memory", "check_layers": [28]})
+    assert call(KVParamsGuard(FakeApp()), {"prompt": [1], "kv_transfer_params": {}}, app=defaults)[0] == 400
+
+
+@pytest.mark.parametrize("connector", [None, "NixlConnector"])
+def test_another_connectors_params_are_not_judged(connector):
+    app = FakeApp()
+    body = {"prompt": [1, 2], "kv_transfer_params": {"do_remote_decode": True, "anything": [0, 1e300]}}
+    assert call(KVParamsGuard(app), body, app=vllm_state(connector))[0] == 200 and len(app.calls) == 1
+
+
+def test_non_http_scopes_pass_through():
+    seen = []
+
+    async def inner(scope, receive, send):
+        seen.append(scope["type"])
+
+    async def nothing():
+        return {}
+
+    async def ignore(message):
+        return None
+
+    asyncio.run(KVParamsGuard(inner)({"type": "lifespan"}, nothing, ignore))
+    assert seen == ["lifespan"]
+
+
+def test_the_servers_command_loads_the_guard():
+    cmd = VLLMServer("m", kv_transfer_config("memory"), port=1).command()
+    assert cmd[cmd.index("--middleware") + 1] == "cacheblend.integrations.vllm_http.KVParamsGuard"
+    assert "--middleware" not in VLLMServer("m", None, port=1).command()
