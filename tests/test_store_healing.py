@@ -306,3 +306,19 @@ def test_the_tiers_report_what_they_skipped(tmp_path):
     store.flush()
     assert store.stats()["failed_writes"] == 1 and store.tiers[1].stats()["skipped_writes"] == 1
     assert json.dumps(store.stats())
+
+
+def test_a_process_follows_an_index_another_one_healed(tmp_path):
+    """Two processes: the first to find the damage heals; the other opens the new index
+    instead of healing again (which would move a good index aside)."""
+    other = DiskStore(tmp_path)
+    for i in range(3):
+        other.put(_key(i), _kv(i))
+    other.index.run(lambda db: db.execute("PRAGMA wal_checkpoint(TRUNCATE)"))  # the rows now in the file
+    (tmp_path / "index.sqlite3").write_bytes(b"garbage" * 1000)  # damaged under both
+    healer = DiskStore(tmp_path)
+    healed = (tmp_path / "index.sqlite3").stat().st_ino
+    assert healer.index.rebuilds == 1 and len(healer) == 3
+    assert other.get(_key(2)) is not None and len(other) == 3 and other.index.rebuilds == 0
+    other.put(_key(3), _kv(3))
+    assert (tmp_path / "index.sqlite3").stat().st_ino == healed and len(healer) == 4

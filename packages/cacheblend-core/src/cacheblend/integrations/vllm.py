@@ -65,6 +65,7 @@ from ..models.decoder import apply_rope
 from ..prompt import PromptBuilder
 from ..results import BlendStats
 from ..store import ChunkKV, tier_total
+from ..store.spec import split_spec
 from .kv_params import KVParams, fit_spans, parse_kv_params
 from .paged import paged_views, read_blocks, write_blocks
 from .registry import REDIS_PASSAGES_KEY, ChunkMatcher, read_passages, register_passages
@@ -115,7 +116,9 @@ class CacheBlendConnector(KVConnectorBase_V1):
     def _get_matcher(self) -> ChunkMatcher:
         if self._matcher is None:
             prompts = PromptBuilder(AutoTokenizer.from_pretrained(self.model_dir))
-            self._matcher = ChunkMatcher(prompts.encode, prompts.chunk_separator, self.config.passages)
+            store = self.config.store
+            namespace = split_spec(store)[1].namespace if store else None  # a tenant's own registry
+            self._matcher = ChunkMatcher(prompts.encode, prompts.chunk_separator, self.config.passages, namespace)
         self._matcher.refresh()
         return self._matcher
 

@@ -60,6 +60,7 @@ class DiskIndex:
         self.read_only = False
         self.rebuilds = 0
         self.problem: str | None = None  # why the index was rebuilt or went read-only
+        self._inode: int | None = None  # of the file we have open: another process may replace it
         self._db = self._open() if writable else self._in_memory(f"{root} cannot be written; serving read-only")
 
     # -- opening and healing -----------------------------------------------------------
@@ -84,6 +85,7 @@ class DiskIndex:
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, timeout=60, check_same_thread=False, isolation_level=None)
+        self._inode = _inode(self.path)
         try:
             _use_wal(db)
             check = db.execute("PRAGMA quick_check").fetchone()[0]
@@ -143,6 +145,14 @@ class DiskIndex:
             self._db.close()
             self._db = self._heal_at_open(error)
 
+    def _follow(self) -> None:
+        """Another process healed the index (moved the damaged file aside and made a new
+        one): open the new one instead of healing again, which would move its good index
+        aside.  One ``stat`` per query."""
+        if self._inode is not None and _inode(self.path) not in (self._inode, None):
+            self._db.close()
+            self._db = self._open()
+
     def _go_read_only(self, error: sqlite3.Error) -> None:
         if not self.read_only:
             self.read_only, self.problem = True, f"index {self.path} cannot be written ({error})"
@@ -156,6 +166,7 @@ class DiskIndex:
             raise IndexUnwritable(self.problem or "read-only")
         for attempt in (0, 1):
             with self._lock:
+                self._follow()
                 try:
                     return fn(self._db)
                 except sqlite3.OperationalError as e:
@@ -206,6 +217,13 @@ class DiskIndex:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
 
 
 def _add_columns(db: sqlite3.Connection) -> None:
