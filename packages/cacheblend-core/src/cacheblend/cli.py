@@ -13,7 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._version import __version__
 from .config import KV_DTYPES, METHODS, RATIO_MODES, RequestOptions
@@ -114,6 +114,29 @@ def cmd_store(args) -> int:
     return 0
 
 
+def cmd_ui(args) -> int:
+    """Serve the explorer until interrupted."""
+    try:
+        import gradio  # noqa: F401
+    except ImportError as e:
+        raise ImportError("cacheblend ui needs Gradio: pip install 'cacheblend[ui]'") from e
+    from .ui import Explorer, launch
+
+    backend: Any
+    if args.base_url:
+        from .remote import RemoteEngine
+
+        backend, engine = RemoteEngine(args.base_url, args.model), None
+    else:
+        from .engine import Engine
+
+        engine = Engine.load(args.model, store=args.store)
+        backend = engine
+    print(f"cacheblend ui: http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    launch(Explorer(backend, engine, args.data, args.bench_json), host=args.host, port=args.port)
+    return 0
+
+
 def _confirm(question: str) -> bool:
     if not sys.stdin.isatty():
         return False
@@ -190,6 +213,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default=None, help="store spec (default: the disk tier under the cache dir)")
     p.add_argument("--yes", action="store_true", help="clear without asking")
     p.set_defaults(func=cmd_store)
+
+    p = sub.add_parser("ui", help="the explorer web app: answers, KV deviation, attention, speed (needs [ui])")
+    p.add_argument("--model", default=None, help="HF model folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--store", default=None, help="store spec (default: memory + disk)")
+    p.add_argument("--base-url", default=None, help="answer through a vLLM server with the connector instead")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--data", default=None, help="data folder: offers musique dev examples")
+    p.add_argument("--bench-json", default=None, help="cacheblend bench --json output for the Speed tab")
+    p.set_defaults(func=cmd_ui)
 
     from .bench.command import add_parser as add_bench  # light: heavy imports happen when it runs
 

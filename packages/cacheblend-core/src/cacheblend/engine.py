@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from .passages import PassageIndex
 from .prompt import PromptBuilder, PromptIds
 from .results import ChunkHandle
 from .store import ChunkKV, Tier, open_store
+
+if TYPE_CHECKING:
+    from .explain import Explanation
 
 _SHARED: dict[tuple, Engine] = {}
 _SHARED_LOCK = threading.Lock()
@@ -212,6 +215,20 @@ class Engine(Answering):
         run = self._begin(plan.prompt, handles, t0, opts, defer)
         run.stats.chunks_learned = len(plan.learned)
         return run
+
+    def explain(self, query: str, chunks: Sequence[ChunkHandle | str] = (), *, system: str | None = None,
+                preamble: str = "", attention_layer: int | None = None, answers: bool = True,
+                **options: Any) -> Explanation:
+        """What CacheBlend does to this prompt (:mod:`cacheblend.explain`): per-token KV
+        deviation at the check layer, the recompute set (``.recomputed(ratio)`` for any
+        ratio), attention maps at ``attention_layer`` under full prefill, full reuse and
+        blend (None: not computed), and, with ``answers``, full prefill's answer and the
+        answer under ``options`` (:class:`RequestOptions`)."""
+        from .explain import explain
+
+        check_request(query, system, preamble)
+        return explain(self, query, list(chunks), system=system, preamble=preamble,
+                       attention_layer=attention_layer, answers=answers, **options)
 
     def _begin(self, prompt: PromptIds, handles: list[ChunkHandle], t0: float,
                options: RequestOptions | dict[str, Any], defer: frozenset[str] = frozenset()) -> Generation:

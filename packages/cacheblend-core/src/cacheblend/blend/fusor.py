@@ -32,10 +32,14 @@ from .attention import AttentionPlans
 from .loader import LayerLoader
 from .selection import BlendConfig, Candidates, choose, kv_deviation, query_attention
 
-__all__ = ["Capture", "FusionReport", "KVCache", "Segment", "check_deadline", "first_token_risk", "fused_prefill"]
+__all__ = ["Attend", "Capture", "FusionReport", "KVCache", "Segment", "check_deadline", "first_token_risk",
+           "fused_prefill"]
 
 # capture(layer, positions, keys_before_rope, values): used by chunk precompute.
 Capture = Callable[[int, Tensor, Tensor, Tensor], None]
+# attend(layer, positions, queries, keys): the rotated queries [H, a, hd] of the tokens
+# computed at a layer and every key [KVH, n, hd] they attend to (``engine.explain``).
+Attend = Callable[[int, Tensor, Tensor, Tensor], None]
 
 
 @dataclass
@@ -135,6 +139,7 @@ def fused_prefill(
     capture: Capture | None = None,
     prefetch: bool = True,
     deadline: float | None = None,
+    attend: Attend | None = None,
 ) -> FusionReport:
     """Fill ``kv`` for the prompt ``segments`` and return the last position's logits.
 
@@ -175,6 +180,8 @@ def fused_prefill(
                     plans = AttentionPlans(active, shape.dtype, shape.groups)
             active_per_layer.append(active.numel())
             q = apply_rope(dec.queries(layer, x), cos[active], sin[active])
+            if attend is not None:
+                attend(layer, active, q, kv.k[layer, :, :n])
             plan = plans[shape.windows[layer]]
             h = dec.finish(layer, h, plan(q, kv.k[layer, :, :n], kv.v[layer, :, :n], dec.scaling))
     finally:

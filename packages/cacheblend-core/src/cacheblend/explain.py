@@ -1,0 +1,218 @@
+"""What CacheBlend does to one prompt, measured on the real engine (``Engine.explain``).
+
+The figures that explain the paper, for *your* prompt:
+
+- **KV deviation** per token at the check layer: how far each chunk token's reused K/V
+  is from what full prefill computes there (paper §4.3).  Every token is computed up to
+  the check layer, so the fresh side is full prefill's own K/V.
+- **The recompute set**: the HKVD tokens, the chunk tokens of highest deviation; for any
+  ratio (``Explanation.recomputed(ratio)``) without computing anything again.
+- **Attention maps** (on request) at one layer, averaged over heads, under full prefill,
+  full reuse and blend.  Rows of tokens a method computes are its real attention; rows of
+  reused tokens are the attention their cache was made with (its own chunk only: the
+  cross-attention that reuse loses, paper Fig. 3).
+- **Both answers**: full prefill's and the chosen method's, with their stats.
+
+The UI (``cacheblend ui``) only draws these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .blend.fusor import KVCache, Segment, fused_prefill
+from .blend.selection import kv_deviation
+from .cache.chunks import LookupCounter
+from .config import BlendConfig, RequestOptions
+from .errors import CacheBlendError
+from .results import ChunkHandle, Result
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["AttentionMaps", "Explanation", "PromptToken", "explain"]
+
+
+@dataclass(frozen=True)
+class PromptToken:
+    """One prompt token: its text, which part of the prompt it is in (``"system"``,
+    ``"chunk"``, ``"between"`` or ``"question"``) and its chunk's index."""
+
+    text: str
+    part: str
+    chunk: int | None = None
+
+
+@dataclass
+class AttentionMaps:
+    """``[n, n]`` attention (mean over heads) at ``layer`` under each method; row i is
+    what token i attends to.  ``boundaries``: where each chunk and the question start."""
+
+    layer: int
+    full: Tensor
+    reuse: Tensor
+    blend: Tensor
+    boundaries: list[int]
+
+
+@dataclass
+class Explanation:
+    tokens: list[PromptToken]
+    deviation: Tensor  # [n] at check_layer; 0 outside chunks
+    check_layer: int
+    recompute_ratio: float
+    attention: AttentionMaps | None = None
+    full: Result | None = None
+    blended: Result | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def candidates(self) -> Tensor:
+        """Positions of chunk tokens (what may be recomputed)."""
+        return torch.tensor([i for i, t in enumerate(self.tokens) if t.part == "chunk"], dtype=torch.long)
+
+    def recomputed(self, ratio: float | None = None) -> Tensor:
+        """``[n]`` bool: the chunk tokens HKVD recomputes at ``ratio`` (default: the
+        request's), the ``round(ratio × chunk tokens)`` of highest deviation."""
+        ratio = self.recompute_ratio if ratio is None else ratio
+        if not 0.0 <= ratio <= 1.0:
+            raise CacheBlendError(f"ratio must be in [0, 1], got {ratio!r}")
+        cand = self.candidates
+        keep = round(ratio * cand.numel())
+        out = torch.zeros(len(self.tokens), dtype=torch.bool)
+        if keep:
+            out[cand[self.deviation[cand].topk(keep).indices]] = True
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready); attention maps as nested lists."""
+        out: dict[str, Any] = {
+            "tokens": [t.__dict__ for t in self.tokens], "deviation": self.deviation.tolist(),
+            "check_layer": self.check_layer, "recompute_ratio": self.recompute_ratio,
+            "recomputed": self.recomputed().tolist(), "options": self.options,
+        }
+        for name in ("full", "blended"):
+            r = getattr(self, name)
+            out[name] = None if r is None else {"text": r.text, "ttft_s": r.ttft_s, "stats": r.stats.as_dict()}
+        if self.attention is not None:
+            a = self.attention
+            out["attention"] = {"layer": a.layer, "boundaries": a.boundaries,
+                                **{m: getattr(a, m).tolist() for m in ("full", "reuse", "blend")}}
+        return out
+
+
+def explain(engine: Engine, query: str, chunks: Sequence[ChunkHandle | str], *, system: str | None = None,
+            preamble: str = "", attention_layer: int | None = None, answers: bool = True,
+            **options: Any) -> Explanation:
+    """See :meth:`Engine.explain`."""
+    opts = RequestOptions.parse(options)
+    shape = engine.decoder.shape
+    blend = opts.blend(shape.num_layers)
+    if attention_layer is not None and not 0 <= attention_layer < shape.num_layers:
+        raise CacheBlendError(f"attention_layer must be in [0, {shape.num_layers - 1}], got {attention_layer!r}")
+    handles = engine.ingest([c for c in chunks if isinstance(c, str)]) if chunks else []
+    given = iter(handles)
+    handles = [c if isinstance(c, ChunkHandle) else next(given) for c in chunks]
+    prompt = engine.prompts.build(query, [list(h.token_ids) for h in handles], system, preamble)
+    tokens, spans = _tokens(engine, prompt)
+    check = blend.check_layers[0]
+    probe = _Probe(engine, attention_layer)
+    full_kv = probe.run([Segment(prompt.all_ids)], BlendConfig(), capture_layer=check)
+    deviation = torch.zeros(len(tokens))
+    cached = [engine.chunks.chunk_source(h, LookupCounter()) for h in handles]
+    for (start, end), source in zip(spans, cached, strict=True):
+        k, v = source.layer(check)
+        deviation[start:end] = kv_deviation(full_kv[0][:, start:end], full_kv[1][:, start:end], k, v, blend.deviation)
+    out = Explanation(tokens, deviation, check, blend.recompute_ratio, options=dict(options))
+    if attention_layer is not None:
+        out.attention = probe.maps(prompt, handles, spans, tokens, blend)
+    if answers:
+        out.full = engine.generate(query, handles, system=system, preamble=preamble, **(options | {"method": "full"}))
+        out.blended = engine.generate(query, handles, system=system, preamble=preamble, **options)
+    return out
+
+
+def _tokens(engine: Engine, prompt) -> tuple[list[PromptToken], list[tuple[int, int]]]:
+    """Every prompt token with its part, and each chunk's ``[start, end)``."""
+    decode = engine.prompts.tokenizer.decode
+    tokens = [PromptToken(decode([t]), "system") for t in prompt.prefix]
+    spans, chunk = [], 0
+    body = prompt.body()
+    for i, (ids, is_chunk) in enumerate(body):
+        part = "chunk" if is_chunk else ("question" if i == len(body) - 1 else "between")
+        if is_chunk:
+            spans.append((len(tokens), len(tokens) + len(ids)))
+        tokens += [PromptToken(decode([t]), part, chunk if is_chunk else None) for t in ids]
+        chunk += is_chunk
+    return tokens, spans
+
+
+class _Probe:
+    """Runs the fused prefill with hooks: K/V at one layer, attention rows at another."""
+
+    def __init__(self, engine: Engine, layer: int | None) -> None:
+        self.engine, self.layer = engine, layer
+        self.rows: dict[int, Tensor] = {}
+
+    def _attend(self, layer: int, active: Tensor, q: Tensor, keys: Tensor) -> None:
+        if layer != self.layer:
+            return
+        k = keys.repeat_interleave(self.engine.decoder.shape.groups, dim=0).float()
+        scores = (q.float() @ k.transpose(1, 2)) * self.engine.decoder.scaling  # [H, a, n]
+        future = torch.arange(keys.shape[1])[None, :] > active[:, None]
+        probs = scores.masked_fill(future[None], float("-inf")).softmax(dim=-1).mean(dim=0)
+        for row, pos in zip(probs, active.tolist(), strict=True):
+            self.rows[pos] = row
+
+    def run(self, segments: list[Segment], config: BlendConfig, capture_layer: int | None = None):
+        """The prefill of ``segments``; returns K (pre-RoPE) and V at ``capture_layer``."""
+        eng, shape = self.engine, self.engine.decoder.shape
+        n = sum(len(s.token_ids) for s in segments)
+        keys = torch.zeros(shape.num_kv_heads, n, shape.head_dim)
+        values = torch.zeros_like(keys)
+
+        def capture(layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
+            if layer == capture_layer:
+                keys[:, positions], values[:, positions] = k.float(), v.float()
+
+        self.rows = {}
+        with torch.inference_mode(), eng.chunks.lock:
+            fused_prefill(eng.decoder, segments, KVCache(shape, n, eng.device), config, capture=capture,
+                          attend=self._attend if self.layer is not None else None)
+        return keys, values
+
+    def _matrix(self, n: int) -> Tensor:
+        out = torch.zeros(n, n)
+        for pos, row in self.rows.items():
+            out[pos] = row[:n]
+        return out
+
+    def maps(self, prompt, handles: list[ChunkHandle], spans: list[tuple[int, int]], tokens: list[PromptToken],
+             blend: BlendConfig) -> AttentionMaps:
+        eng, n = self.engine, len(tokens)
+        assert self.layer is not None
+        self.run([Segment(prompt.all_ids)], BlendConfig())
+        full = self._matrix(n)
+        own = torch.zeros(n, n)  # the rows reused caches were made with: their own chunk only
+        sink = len(eng.chunks.sink)
+        for h, (start, end) in zip(handles, spans, strict=True):
+            self.run([Segment(list(eng.chunks.sink) + list(h.token_ids))], BlendConfig())
+            block = self._matrix(sink + end - start)[sink:, sink:]
+            own[start:end, start:end] = block
+        own[: len(prompt.prefix)] = full[: len(prompt.prefix)]  # the prefix is exact
+        maps = []
+        for ratio in (0.0, blend.recompute_ratio):
+            counter = LookupCounter()
+            segments = eng.chunks.segments(prompt, handles, "blend", counter)
+            self.run(segments, BlendConfig(**{**blend.__dict__, "recompute_ratio": ratio}))
+            m = own.clone()
+            for pos, row in self.rows.items():
+                m[pos] = row[:n]
+            maps.append(m)
+        bounds = [s for s, _ in spans] + [next(i for i, t in enumerate(tokens) if t.part == "question")]
+        return AttentionMaps(self.layer, full, maps[0], maps[1], bounds)

@@ -1,0 +1,70 @@
+"""Engine.explain, the data behind the explorer, against full prefill (tiny model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cacheblend import CacheBlendError, Engine
+from cacheblend.ui import Explorer, split_passages
+from conftest import PASSAGES, QUERY, make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, default_model_dir):
+    return Engine.load(make_tiny_model(tmp_path_factory.mktemp("explain"), "llama", default_model_dir),
+                       store="memory")
+
+
+def test_attention_maps_are_full_prefill_at_ratio_one_and_block_diagonal_under_reuse(engine):
+    ex = engine.explain(QUERY, PASSAGES[:3], attention_layer=2, recompute_ratio=1.0, answers=False)
+    a = ex.attention
+    assert torch.allclose(a.blend, a.full, atol=1e-5)
+    assert torch.allclose(a.full.sum(dim=1), torch.ones(len(ex.tokens)), atol=1e-4)
+    first, second, question = a.boundaries[0], a.boundaries[1], a.boundaries[3]
+    assert a.reuse[second:a.boundaries[2], first:second].sum() == 0  # chunk 2 never saw chunk 1
+    assert a.full[second:a.boundaries[2], first:second].sum() > 0
+    rows = a.reuse[question:].sum(dim=1)  # the question is computed under reuse: whole rows
+    assert torch.allclose(rows, torch.ones_like(rows), atol=1e-4)
+    assert ex.tokens[question].part == "question"
+
+
+def test_deviation_and_recompute_set(engine):
+    ex = engine.explain(QUERY, PASSAGES, recompute_ratio=0.3, answers=False)
+    cand = ex.candidates
+    outside = torch.ones(len(ex.tokens), dtype=torch.bool)
+    outside[cand] = False
+    assert ex.deviation[outside].abs().sum() == 0 and ex.deviation[cand].max() > 0
+    for r in (0.0, 0.15, 0.3, 1.0):
+        assert int(ex.recomputed(r).sum()) == round(r * cand.numel())
+    chosen = ex.recomputed()
+    assert ex.deviation[chosen].min() >= ex.deviation[cand][~chosen[cand]].max()  # the highest, as HKVD picks
+    with pytest.raises(CacheBlendError):
+        ex.recomputed(1.5)
+
+
+def test_explain_answers_are_the_engines_and_serialize(engine):
+    ex = engine.explain(QUERY, PASSAGES[:2], max_new_tokens=5, attention_layer=0)
+    assert ex.full.token_ids == engine.generate(QUERY, PASSAGES[:2], method="full", max_new_tokens=5).token_ids
+    assert ex.blended.token_ids == engine.generate(QUERY, PASSAGES[:2], max_new_tokens=5).token_ids
+    assert json.loads(json.dumps(ex.as_dict()))["attention"]["layer"] == 0
+    with pytest.raises(CacheBlendError, match="attention_layer"):
+        engine.explain(QUERY, PASSAGES[:2], attention_layer=99)
+
+
+def test_explorer_without_a_browser(engine):
+    assert split_passages("a\n---\nb\n\n---\n  \n") == ["a", "b"]
+    explorer = Explorer(engine, engine, bench_json=str(ROOT / "docs" / "bench-test-chunks.json"))
+    steps = list(explorer.ask("\n---\n".join(PASSAGES[:2]), None, QUERY, "blend", 0.15, 4))
+    full, chosen, stats = steps[-1]
+    assert full and chosen and stats.count("TTFT") == 2
+    fig, records = explorer.speed("", None, QUERY, 0.15, "bench JSON")
+    assert records and fig.axes
+    fig, records = explorer.speed("\n---\n".join(PASSAGES[:2]), None, QUERY, 0.15, "measure now")
+    assert {r["method"] for r in records} == {"full", "prefix", "reuse", "blend"} and len(records) == 8
+    assert all(r["output_f1_vs_full"] == 1.0 for r in records if r["method"] == "full")
