@@ -68,3 +68,12 @@ def test_explorer_without_a_browser(engine):
     fig, records = explorer.speed("\n---\n".join(PASSAGES[:2]), None, QUERY, 0.15, "measure now")
     assert {r["method"] for r in records} == {"full", "prefix", "reuse", "blend"} and len(records) == 8
     assert all(r["output_f1_vs_full"] == 1.0 for r in records if r["method"] == "full")
+
+
+def test_the_explorer_offers_musique_dev_examples(engine):
+    from cacheblend.datasets import data_dir
+
+    explorer = Explorer(engine, engine, data=str(data_dir(None)))
+    name = next(iter(explorer.examples))
+    passages, question = explorer.pick(name)
+    assert name.startswith("musique dev 0") and len(split_passages(passages)) == 6 and question

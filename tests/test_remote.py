@@ -159,6 +159,19 @@ def test_remote_engine_start_generate_and_stream(server, remote, example):
         remote.start(q, chunks, ratio=0.2)
 
 
+def test_the_explorer_answers_through_the_server(server, remote, example):
+    """cacheblend ui --base-url: the Ask tab streams both answers from the server."""
+    from cacheblend.ui import Explorer
+
+    explorer = Explorer(remote, None)
+    full, chosen, summary = list(explorer.ask("\n---\n".join(example.passages), None, example.question,
+                                              "blend", 1.0, 8))[-1]
+    assert full and full == chosen  # ratio 1.0 through the connector is vLLM's full prefill
+    assert summary.count("TTFT") == 2 and "store hits" in summary
+    with pytest.raises(ValueError, match="in this process"):
+        explorer.explain("a", None, "q", 0.15, None)
+
+
 def test_llamaindex_rag_paths_on_the_server(server, remote, example):
     """Transform, synthesizer and query engine over a vLLM server with the connector."""
     from llama_index.core import VectorStoreIndex

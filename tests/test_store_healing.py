@@ -292,11 +292,11 @@ def test_kill_9_during_writes_leaves_nothing_unaccounted(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     time.sleep(2.1)  # past the grace a just-created temp file gets
-    store = DiskStore(root)
+    store = DiskStore(root)  # temp files and the killed writers' reservations go at open
     assert not list(root.glob("??/.tmp-*")) and store.stats()["reclaimed_bytes"] > 0
-    store.verify()
     on_disk = sum(p.stat().st_size for p in root.glob("??/*.safetensors"))
-    assert store.nbytes == on_disk and store.corrupt == 0
+    assert store.nbytes == on_disk
+    assert store.verify()["stale_index_rows"] == 0 and store.corrupt == 0
     shutil.rmtree(root)
 
 

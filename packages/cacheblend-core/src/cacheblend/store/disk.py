@@ -110,8 +110,9 @@ class DiskStore:
         self._lock = threading.Lock()
         writable = claim(self.root, create)
         self.index = DiskIndex(self.root, self._rows, writable)
-        if not self.index.read_only:
+        if not self.index.read_only:  # what killed writers left: temp files and their reservations
             self.reclaim()
+            self._drop_stale(2.0)
 
     # -- files -------------------------------------------------------------------------
     def path(self, key: str) -> Path:
@@ -322,11 +323,19 @@ class DiskStore:
         if self.index.read_only:
             raise PermissionError(f"disk store {self.root} is read-only: {self.index.problem}")
         removed = self.reclaim(older_than_s)
-        busy = in_flight(self.root)
-        stale = [k for k in self.keys() if k not in busy and self._file(k) is None]
+        stale = self._drop_stale(0.0)
+        return {"temp_files_removed": removed, "stale_index_rows": stale, "stray_files": len(self.files()[1])}
+
+    def _drop_stale(self, min_age_s: float) -> int:
+        """Drop index rows whose file is gone: a killed writer's reservation, a file
+        deleted by hand.  Rows younger than ``min_age_s`` or with a temp file may be a
+        write in flight in another process and stay."""
+        busy, now = in_flight(self.root), time.time()
+        rows = self.index.sql("SELECT key, used FROM entries")
+        stale = [k for k, used in rows if now - used >= min_age_s and k not in busy and self._file(k) is None]
         for k in stale:
             self.index.write("DELETE FROM entries WHERE key = ?", (k,))
-        return {"temp_files_removed": removed, "stale_index_rows": len(stale), "stray_files": len(self.files()[1])}
+        return len(stale)
 
     def stats(self) -> dict:
         learned, tokens, counted = self.index.sql(
