@@ -12,13 +12,16 @@ The figures that explain the paper, for *your* prompt:
   reused tokens are the attention their cache was made with (its own chunk only: the
   cross-attention that reuse loses, paper Fig. 3).
 - **Both answers**: full prefill's and the chosen method's, with their stats.
+- **Speed** (:func:`speed_sweep`): TTFT against the number of chunks per method, with
+  the answer's F1 against full prefill's.
 
 The UI (``cacheblend ui``) only draws these.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,13 +32,14 @@ from .blend.fusor import KVCache, Segment, fused_prefill
 from .blend.selection import kv_deviation
 from .cache.chunks import LookupCounter
 from .config import BlendConfig, RequestOptions
+from .datasets import token_f1
 from .errors import CacheBlendError
 from .results import ChunkHandle, Result
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["AttentionMaps", "Explanation", "PromptToken", "explain"]
+__all__ = ["AttentionMaps", "Explanation", "PromptToken", "explain", "speed_sweep"]
 
 
 @dataclass(frozen=True)
@@ -216,3 +220,30 @@ class _Probe:
             maps.append(m)
         bounds = [s for s, _ in spans] + [next(i for i, t in enumerate(tokens) if t.part == "question")]
         return AttentionMaps(self.layer, full, maps[0], maps[1], bounds)
+
+
+def speed_sweep(engine: Any, query: str, passages: list[str], methods: Sequence[str], ratio: float,
+          max_new_tokens: int = 16, progress: Callable[[float, str], None] | None = None,
+          repeats: int = 3) -> list[dict[str, Any]]:
+    """Median TTFT over ``repeats`` runs of each method for the first 1..k passages (k =
+    all), measured now on this engine, with the token F1 of each answer against full
+    prefill's (the quality number under each bar).  Caches are ingested first, so TTFT
+    is the request's own."""
+    engine.ingest(passages)
+    steps = [(k, m) for k in range(1, len(passages) + 1) for m in methods]
+    records, full_text = [], {}
+    for i, (k, method) in enumerate(steps):
+        if progress is not None:
+            progress(i / len(steps), f"{method}, {k} chunk(s)")
+        opts: dict[str, Any] = {"method": method, "max_new_tokens": max_new_tokens}
+        if method == "blend":
+            opts["recompute_ratio"] = ratio
+        runs = [engine.generate(query, passages[:k], **opts) for _ in range(repeats)]
+        if method == "full":
+            full_text[k] = runs[0].text
+        records.append({"chunks": k, "method": method, "text": runs[0].text,
+                        "ttft_median_s": statistics.median(r.ttft_s for r in runs)})
+    for rec in records:
+        ref = full_text.get(rec["chunks"])
+        rec["output_f1_vs_full"] = None if ref is None else token_f1(rec["text"], ref)
+    return records

@@ -23,8 +23,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..explain import speed_sweep
 from .figures import attention_figure, speed_figure, token_map_html
-from .live import split_passages, stream_answer, sweep
+from .live import split_passages, stream_answer
 
 METHODS = ["blend", "reuse", "prefix", "full"]
 EXAMPLE_PASSAGES = [
@@ -89,7 +90,7 @@ class Explorer:
             if self.engine is None:
                 raise ValueError("a live sweep needs the model in this process")
             passages = split_passages(text, files or ())[:6]
-            records = sweep(self.engine, question, passages, ("full", "prefix", "reuse", "blend"), ratio,
+            records = speed_sweep(self.engine, question, passages, ("full", "prefix", "reuse", "blend"), ratio,
                             progress=(lambda f, d: progress(f, desc=d)) if progress is not None else None)
         return speed_figure(records), records
 

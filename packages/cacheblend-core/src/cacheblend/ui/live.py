@@ -1,16 +1,13 @@
-"""What the explorer asks of the engine: answers (streamed), explanations and a small
-speed sweep.  Plain functions over a backend, so they are usable (and tested) without a
-browser; :mod:`.app` only wires them to widgets."""
+"""What the explorer asks of a backend: passages from the inputs and answers, streamed
+with their cost.  Plain functions, usable (and tested) without a browser; :mod:`.app`
+only wires them to widgets, the figures come from :mod:`cacheblend.explain`."""
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-from ..datasets import token_f1
 
 SEPARATOR = "---"  # a line of its own between passages in the text box
 
@@ -78,30 +75,3 @@ def stream_answer(backend: Any, query: str, passages: list[str], method: str, ra
     if result is not None:
         answer.stats = result.stats.as_dict() | {"fidelity": result.metadata().get("fidelity")}
     yield answer
-
-
-def sweep(engine: Any, query: str, passages: list[str], methods: Sequence[str], ratio: float,
-          max_new_tokens: int = 16, progress: Callable[[float, str], None] | None = None,
-          repeats: int = 3) -> list[dict[str, Any]]:
-    """Median TTFT over ``repeats`` runs of each method for the first 1..k passages (k =
-    all), measured now on this engine, with the token F1 of each answer against full
-    prefill's (the quality number under each bar).  Caches are ingested first, so TTFT
-    is the request's own."""
-    engine.ingest(passages)
-    steps = [(k, m) for k in range(1, len(passages) + 1) for m in methods]
-    records, full_text = [], {}
-    for i, (k, method) in enumerate(steps):
-        if progress is not None:
-            progress(i / len(steps), f"{method}, {k} chunk(s)")
-        opts: dict[str, Any] = {"method": method, "max_new_tokens": max_new_tokens}
-        if method == "blend":
-            opts["recompute_ratio"] = ratio
-        runs = [engine.generate(query, passages[:k], **opts) for _ in range(repeats)]
-        if method == "full":
-            full_text[k] = runs[0].text
-        records.append({"chunks": k, "method": method, "text": runs[0].text,
-                        "ttft_median_s": statistics.median(r.ttft_s for r in runs)})
-    for rec in records:
-        ref = full_text.get(rec["chunks"])
-        rec["output_f1_vs_full"] = None if ref is None else token_f1(rec["text"], ref)
-    return records
