@@ -140,7 +140,8 @@ class Run:
         cmd = [sys.executable, __file__, "--client", "--store", self.store, "--deadline", str(self.deadline),
                *_forward(self.args)]
         env = os.environ | {"OMP_NUM_THREADS": str(self.args.threads)}
-        self.clients.append((subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.DEVNULL, env=env), log))  # noqa: SIM115
+        err = open(log.with_suffix(".err"), "w")  # noqa: SIM115
+        self.clients.append((subprocess.Popen(cmd, stdout=open(log, "w"), stderr=err, env=env), log))  # noqa: SIM115
 
     def chaos(self, kind: str) -> dict:
         event: dict = {"kind": kind, "t": time.time()}
@@ -175,7 +176,7 @@ class Run:
         self.deadline = time.time() + 60 * self.args.minutes + 120  # clients stop by themselves
         for _ in range(self.args.clients):
             self.spawn()
-        _wait_ready([log for _, log in self.clients])
+        _wait_ready(self.clients)
         stop = time.time() + 60 * self.args.minutes
         kinds = ["kill", "redis", "damage", "index"] + (["fill"] if self.mounted else [])
         while time.time() < stop:
@@ -298,11 +299,19 @@ def _mount_tmpfs(path: Path, size_mb: int) -> bool:
                           capture_output=True).returncode == 0
 
 
-def _wait_ready(logs: list[Path], timeout: float = 600) -> None:
+def _stderr_files(clients: list[tuple[subprocess.Popen, Path]]) -> str:
+    return ", ".join(str(log.with_suffix(".err")) for _, log in clients)
+
+
+def _wait_ready(clients: list[tuple[subprocess.Popen, Path]], timeout: float = 600) -> None:
+    """Until every client has printed "ready"; a client that exits first fails the run."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if all(p.exists() and '"ready"' in p.read_text() for p in logs):
+        if all(log.exists() and '"ready"' in log.read_text() for _, log in clients):
             return
+        dead = [p for p, _ in clients if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{len(dead)} client(s) exited before they were ready; see {_stderr_files(clients)}")
         time.sleep(0.5)
     raise TimeoutError("clients did not start")
 
