@@ -113,8 +113,10 @@ def in_flight(root: Path) -> set[str]:
 
 
 def _has_files(root: Path) -> bool:
-    """Anything but the namespaces folder (a store's tenants live under it)."""
-    return any(p.name != NAMESPACES for p in root.iterdir())
+    """Anything but what a store being made by another process at this moment holds:
+    the marker, the index and the namespaces folder (a store's tenants live under it)."""
+    return any(p.name not in (NAMESPACES, MARKER) and not p.name.startswith("index.sqlite3")
+               for p in root.iterdir())
 
 
 def claim(root: Path, create: bool) -> bool:
@@ -133,7 +135,7 @@ def claim(root: Path, create: bool) -> bool:
             return False
     elif not root.is_dir():
         raise NotAStore(f"{root} is not a directory")
-    elif not (root / "index.sqlite3").exists() and (not create or _has_files(root)):
+    elif not (root / "index.sqlite3").exists() and (not create or _has_files(root)) and not marker.is_file():
         raise NotAStore(f"{root} is not a CacheBlend store (no {MARKER} marker file) and is not empty: "
                         "give a new or empty directory")
     try:  # a new store, or one made before stores were marked

@@ -1,6 +1,6 @@
 """Where the time goes: full prefill, blended prefill and one decode step, by phase and op.
 
-    .venv/bin/python benchmarks/profile.py --limit 3 --out docs/profile.json
+    .venv/bin/python benchmarks/latency_profile.py --limit 3 --out docs/profile.json
 
 On 6-passage musique dev prompts (the bench's main setting), with the chunk caches in
 memory, each path runs once to warm up, then under ``torch.profiler``:
@@ -21,24 +21,19 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
-# This file's name shadows the standard library's ``profile`` (cProfile imports it):
-# keep its folder off the import path.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-from cacheblend import Engine  # noqa: E402
-from cacheblend.blend.fusor import KVCache, Segment, fused_prefill  # noqa: E402
-from cacheblend.config import BlendConfig  # noqa: E402
-from cacheblend.datasets import QA_PREAMBLE, load_qa  # noqa: E402
-from cacheblend.generate.decode import decode_step  # noqa: E402
+from cacheblend import Engine
+from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
+from cacheblend.config import BlendConfig
+from cacheblend.datasets import QA_PREAMBLE, load_qa
+from cacheblend.generate.decode import decode_step
 
 GROUPS = {
     "matmul": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::_mkldnn", "aten::mkldnn"),
@@ -146,10 +141,9 @@ def main() -> None:
     print_tables(summary)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": "benchmarks/profile.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
-                                                                   if v is not None),
-                       "threads": torch.get_num_threads(), "prompt_tokens": [r["prompt_tokens"] for r in runs],
-                       "summary": summary}, f, indent=2)
+            given = " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None)
+            json.dump({"command": f"benchmarks/latency_profile.py {given}", "threads": torch.get_num_threads(),
+                       "prompt_tokens": [r["prompt_tokens"] for r in runs], "summary": summary}, f, indent=2)
 
 
 if __name__ == "__main__":
