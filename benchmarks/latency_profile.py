@@ -133,15 +133,17 @@ def main() -> None:
     ap.add_argument("--data", default=None, help="data folder (default: $CACHEBLEND_DATA)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None, help="JSON output")
+    ap.add_argument("--compile", action="store_true", help="Engine.load(compile=True)")
     args = ap.parse_args()
-    engine = Engine.load(args.model, store="memory")
+    engine = Engine.load(args.model, store="memory", compile=args.compile)
     examples = load_qa("musique", "dev", limit=args.limit, passages=6, data=args.data)
     runs = [run(engine, ex, args.steps) for ex in examples]
     summary = summarise(runs)
     print_tables(summary)
     if args.out:
         with open(args.out, "w") as f:
-            given = " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None)
+            given = " ".join(f"--{k} {v}" if v is not True else f"--{k}" for k, v in vars(args).items()
+                             if v is not None and v is not False)
             json.dump({"command": f"benchmarks/latency_profile.py {given}", "threads": torch.get_num_threads(),
                        "prompt_tokens": [r["prompt_tokens"] for r in runs], "summary": summary}, f, indent=2)
 

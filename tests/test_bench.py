@@ -59,7 +59,8 @@ def tiny_folder(tmp_path_factory, default_model_dir):
 def test_bench_writes_records_and_plots(tiny_folder, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = app(["bench", "--model", str(tiny_folder), "--dataset", "hotpotqa,samsum", "--limit", "1",
-              "--chunks", "2,3", "--ratios", "0.15,1.0", "--deviation", "1", "--json", str(out),
+              "--chunks", "2,3", "--ratios", "0.15,1.0", "--deviation", "1", "--answer-tokens", "8",
+              "--json", str(out),
               "--plots", str(tmp_path / "plots")])
     assert rc == 0
     report = json.loads(out.read_text())
@@ -68,7 +69,11 @@ def test_bench_writes_records_and_plots(tiny_folder, tmp_path, capsys):
     assert len(recs) == 2 * 2 * 5  # data sets x chunk counts x variants
     fields = {"method", "recompute_ratio", "ttft_median_s", "ttft_p90_s", "quality", "first_token_agreement",
               "kl_first_token", "output_f1_vs_full", "store_hit_rate", "chunks", "dataset"}
+    fields |= {"answer_tokens", "decode_ms_per_token", "answer_total_median_s", "peak_rss_mib", "rss_growth_mib"}
     assert all(fields <= set(r) for r in recs)
+    for r in recs:  # end to end: exactly 8 tokens each; the total holds the first token and 7 decode steps
+        assert r["answer_tokens"] == 8 and r["decode_ms_per_token"] > 0 and r["peak_rss_mib"] > 100
+        assert r["answer_total_median_s"] > r["answer_ttft_median_s"]
     for r in recs:
         if r["variant"] in ("full", "blend@1", "prefix"):  # exact methods reproduce full prefill
             assert r["first_token_agreement"] == 1.0 and r["output_f1_vs_full"] == 1.0
@@ -76,7 +81,7 @@ def test_bench_writes_records_and_plots(tiny_folder, tmp_path, capsys):
         if r["method"] in ("reuse", "blend", "prefix"):
             assert r["store_hit_rate"] == 1.0
     assert report["deviation"]["prompts"] == 1
-    for name in ("ttft_vs_chunks.png", "quality_vs_ratio.png", "deviation_sparsity.png"):
+    for name in ("ttft_vs_chunks.png", "total_vs_chunks.png", "quality_vs_ratio.png", "deviation_sparsity.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 10_000
     assert "blend@0.15" in capsys.readouterr().out
 
@@ -132,7 +137,8 @@ json.dump({"peer": "stand-in", "records": recs}, open(args[args.index("--out") +
     fake.chmod(0o755)
     out = tmp_path / "bench.json"
     rc = app(["bench", "--model", str(tiny_folder), "--dataset", "hotpotqa", "--limit", "1", "--chunks", "2",
-              "--methods", "full", "--peers", "vllm", "--vllm-python", str(fake), "--json", str(out), "--plots", ""])
+              "--methods", "full", "--answer-tokens", "0", "--peers", "vllm", "--vllm-python", str(fake),
+              "--json", str(out), "--plots", ""])
     assert rc == 0
     report = json.loads(out.read_text())
     assert "peer_error" not in report

@@ -38,6 +38,19 @@ def test_eos_ends_generation(default_engine):
     assert r.token_ids and all(t not in default_engine.eos_ids for t in r.token_ids)
 
 
+def test_ignore_eos_decodes_past_the_end_to_max_new_tokens(default_engine):
+    """Fixed-length answers (the bench's end-to-end timing): the greedy answer is the same
+    up to where EOS came, then decoding goes on to exactly max_new_tokens."""
+    natural = default_engine.generate("Say hello.", max_new_tokens=64)
+    assert natural.finish_reason == "stop" and len(natural.token_ids) < 40
+    fixed = default_engine.generate("Say hello.", max_new_tokens=40, ignore_eos=True)
+    assert len(fixed.token_ids) == 40 and fixed.finish_reason == "length"
+    assert fixed.token_ids[: len(natural.token_ids)] == natural.token_ids
+    assert fixed.token_ids[len(natural.token_ids)] in default_engine.eos_ids
+    with pytest.raises(Exception, match="ignore_eos must be True or False"):
+        default_engine.generate("Say hello.", ignore_eos="yes")
+
+
 def test_sampling_is_seeded_and_differs_from_greedy(default_engine):
     handles = default_engine.ingest(PASSAGES)
     a = default_engine.generate(QUERY, handles, temperature=1.2, top_p=0.95, seed=7, max_new_tokens=16)

@@ -124,13 +124,16 @@ class BlendConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """``temperature == 0`` is greedy; otherwise temperature and nucleus (top-p) sampling."""
+    """``temperature == 0`` is greedy; otherwise temperature and nucleus (top-p) sampling.
+    ``ignore_eos`` (vLLM's name) decodes past end-of-sequence tokens up to ``max_new_tokens``:
+    fixed-length answers for latency measurements; stop strings still apply."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -144,6 +147,8 @@ class SamplingConfig:
             raise ValueError("stop strings must be non-empty strings")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
 
 _BLEND = BlendConfig()
@@ -177,6 +182,7 @@ class RequestOptions:
     top_p: float = _SAMPLING.top_p
     stop: Sequence[str] | str = _SAMPLING.stop
     seed: int | None = _SAMPLING.seed
+    ignore_eos: bool = _SAMPLING.ignore_eos
     learn: bool = True
     timeout: float | None = None
 
@@ -248,7 +254,7 @@ class RequestOptions:
             temperature, top_p = float(self.temperature), float(self.top_p)
             if math.isnan(temperature) or math.isnan(top_p):
                 raise ValueError("temperature and top_p must be numbers, got NaN")
-            return SamplingConfig(self.max_new_tokens, temperature, top_p, stop, self.seed)
+            return SamplingConfig(self.max_new_tokens, temperature, top_p, stop, self.seed, self.ignore_eos)
         except (TypeError, ValueError) as e:
             raise CacheBlendError(str(e)) from e
 
@@ -265,7 +271,9 @@ class EngineConfig:
     ``learn_min_chars``: paragraphs at least this long in a chat prompt become chunks;
     ``kv_dtype``: the dtype chunk caches are stored in (None: the model's); ``"bfloat16"``
     or ``"float16"`` halve the store's bytes of a float32 model (exact prefix caches keep
-    the model's dtype)."""
+    the model's dtype); ``compile``: run the layers' elementwise parts (RMSNorm, RoPE, the
+    gated MLP and residuals) through ``torch.compile`` — faster prefill, a one-time compile
+    (cached on disk), eager where compiling fails."""
 
     device: str = "cpu"
     dtype: str | None = None
@@ -273,8 +281,11 @@ class EngineConfig:
     prefetch: bool = True
     learn_min_chars: int = 200
     kv_dtype: str | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise CacheBlendError(f"compile must be True or False, got {self.compile!r}")
         if self.chunk_sink not in CHUNK_SINKS:
             raise CacheBlendError(f"chunk_sink must be one of {CHUNK_SINKS}, got {self.chunk_sink!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:

@@ -270,7 +270,8 @@ class RemoteEngine(Answering):
                 model=self.model_name, prompt=ids, max_tokens=sampling.max_new_tokens,
                 temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
                 stop=list(sampling.stop) or None, stream=True,
-                stream_options={"include_usage": True}, extra_body={"kv_transfer_params": params},
+                stream_options={"include_usage": True},
+                extra_body={"kv_transfer_params": params, "ignore_eos": sampling.ignore_eos},
                 **({"timeout": opts.timeout} if opts.timeout is not None else {}))
 
         return RemoteGeneration(stream, stats, t0, opts.timeout)

@@ -88,6 +88,8 @@ class ChatCacheBlend(BaseChatModel):
     chunk_budget: Literal["global", "attention"] = _D.chunk_budget  # type: ignore[assignment]
     max_risk: float | None = _D.max_risk
     """The quality guard's risk limit (see ``response_metadata["cacheblend"]["fidelity"]``)."""
+    ignore_eos: bool = _D.ignore_eos
+    """Decode past end-of-sequence up to ``max_tokens`` (fixed-length answers, for timing)."""
     learn: bool = Field(default=_D.learn, validation_alias=AliasChoices("learn", "learn_passages"))
     """Cache long paragraphs of the prompt that are not known passages yet (also ``learn_passages``)."""
     model_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -35,6 +35,8 @@ def add_parser(sub) -> None:
                    "(default: the model's)")
     p.add_argument("--chunk-sink", default=None, choices=CHUNK_SINKS,
                    help="what chunk caches are precomputed after (default: the engine's, 'bos')")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the layers' elementwise parts (torch.compile; Engine.load(compile=True))")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the data directory (the folder holding musique_s.json ...); default: $CACHEBLEND_DATA")
@@ -56,6 +58,9 @@ def add_parser(sub) -> None:
                         "(also run; default: today's HKVD selection)")
     p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help="with --fidelity-only: tokens generated per answer (default: the data set's)")
+    p.add_argument("--answer-tokens", type=int, default=64, metavar="N",
+                   help="end to end: each method (and peer) also answers with exactly N tokens; its decode "
+                        "ms/token, total time and peak memory are reported (0: TTFT only)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the records here")
     p.add_argument("--plots", default="bench-out", metavar="DIR", help="folder for the PNGs ('' for none)")
     p.set_defaults(func=main)
@@ -74,7 +79,8 @@ def main(args) -> int:
     torch.set_num_threads(args.threads)
     datasets, methods, chunk_counts, python = _checked(args)
     sink = {"chunk_sink": args.chunk_sink} if args.chunk_sink else {}
-    engine = Engine.load(args.model, store="memory", kv_dtype=args.kv_dtype, **sink)  # memory: no background writes
+    # memory: no background writes
+    engine = Engine.load(args.model, store="memory", kv_dtype=args.kv_dtype, compile=args.compile, **sink)
     t0 = time.perf_counter()
     report: dict[str, Any] = {"command": "cacheblend bench " + " ".join(sys.argv[2:]),
                               "machine": _machine(args.threads)}
@@ -89,7 +95,7 @@ def main(args) -> int:
     report["records"] = records
     if python is not None:  # --peers vllm
         try:
-            report["records"] += _peers(engine, groups, python)
+            report["records"] += _peers(engine, groups, python, args.answer_tokens)
         except (RuntimeError, OSError, subprocess.SubprocessError, KeyError, ValueError) as e:
             report["peer_error"] = str(e)  # our own records stand; say why the peer's are missing
             print(f"cacheblend bench: vLLM peer failed: {e}", file=sys.stderr)
@@ -120,6 +126,8 @@ def _checked(args) -> tuple[list[str], list[str], list[int], Path | None]:
     if bad:
         raise SystemExit(f"cacheblend bench: unknown methods {sorted(bad)}")
     chunk_counts = [int(x) for x in args.chunks.split(",")]
+    if args.answer_tokens < 0:
+        raise SystemExit(f"cacheblend bench: --answer-tokens must be 0 or more, got {args.answer_tokens}")
     if args.fidelity_only:
         from ..errors import CacheBlendError
         from .fidelity import specs_of
@@ -149,7 +157,8 @@ def _run(engine, args, datasets: list[str], methods: list[str], chunk_counts: li
     for dataset in datasets:
         for chunks in chunk_counts:
             task, examples = load_task(dataset, args.split, args.limit, chunks, args.data)
-            samples, prompts = run_examples(engine, task, examples, vs, options, desc=f"{dataset} x{chunks}")
+            samples, prompts = run_examples(engine, task, examples, vs, options, desc=f"{dataset} x{chunks}",
+                                            answer_tokens=args.answer_tokens)
             base = {"dataset": dataset, "split": args.split, "chunks": chunks, "model": engine.model_name,
                     "kv_dtype": str(engine.chunks.kv_dtype).removeprefix("torch."),
                     "metric": task.metric, "check_layers": list(options.check_layers), "gradual": options.gradual}
@@ -178,6 +187,7 @@ def _write(report: dict[str, Any], args) -> None:
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)
         made = [plots.ttft_vs_chunks(report["records"], out / "ttft_vs_chunks.png"),
+                plots.total_vs_chunks(report["records"], out / "total_vs_chunks.png"),
                 plots.quality_vs_ratio(report["records"], out / "quality_vs_ratio.png")]
         if "deviation" in report:
             made.append(plots.deviation_sparsity(report["deviation"], out / "deviation_sparsity.png"))
@@ -186,11 +196,11 @@ def _write(report: dict[str, Any], args) -> None:
                 print(f"plot: {path}")
 
 
-def _peers(engine, groups, python: Path) -> list[dict]:
+def _peers(engine, groups, python: Path, answer_tokens: int) -> list[dict]:
     from .peers import peer_records, run_vllm
 
     prompts = [{**p, "id": f"{base['dataset']}/{base['chunks']}/{p['id']}"} for base, ps, _, _ in groups for p in ps]
-    peer = run_vllm(python, str(Path(engine.model_dir).resolve()), prompts)
+    peer = run_vllm(python, str(Path(engine.model_dir).resolve()), prompts, answer_tokens=answer_tokens)
     out = []
     for base, _, full_first, full_ttft in groups:
         prefix = f"{base['dataset']}/{base['chunks']}/"
@@ -208,7 +218,7 @@ def _machine(threads: int) -> dict:
 
 def _print(records: list[dict]) -> None:
     head = f"{'data set':<11}{'chunks':>6}  {'method':<12}{'TTFT med s':>11}{'p90 s':>8}{'speed-up':>9}" \
-           f"{'quality':>9}{'1st agree':>10}{'KL':>8}{'out F1':>8}{'hits':>6}"
+           f"{'quality':>9}{'1st agree':>10}{'KL':>8}{'out F1':>8}{'hits':>6}{'ms/tok':>8}{'total s':>8}"
     print("\n" + head)
     for r in records:
         def f(key, fmt, r=r):
@@ -216,4 +226,5 @@ def _print(records: list[dict]) -> None:
         print(f"{r['dataset']:<11}{r['chunks']:>6}  {r['variant']:<12}{f('ttft_median_s', '.3f'):>11}"
               f"{f('ttft_p90_s', '.3f'):>8}{f('speedup_vs_full', '.2f'):>8}x{f('quality', '.3f'):>9}"
               f"{f('first_token_agreement', '.0%'):>10}{f('kl_first_token', '.3f'):>8}"
-              f"{f('output_f1_vs_full', '.2f'):>8}{f('store_hit_rate', '.0%'):>6}")
+              f"{f('output_f1_vs_full', '.2f'):>8}{f('store_hit_rate', '.0%'):>6}"
+              f"{f('decode_ms_per_token', '.1f'):>8}{f('answer_total_median_s', '.2f'):>8}")

@@ -37,12 +37,15 @@ def vllm_python(path: str | os.PathLike[str] | None = None) -> Path:
     return exe
 
 
-def run_vllm(python: str | os.PathLike[str], model_dir: str, prompts: list[dict], timeout_s: int = 3600) -> dict:
+def run_vllm(python: str | os.PathLike[str], model_dir: str, prompts: list[dict], timeout_s: int = 3600,
+             answer_tokens: int = 0) -> dict:
     """The peer's output: records of ``vllm_full`` and ``vllm_apc`` per prompt, from
-    ``python -m cacheblend.bench.vllm_peer`` run by the vLLM venv's interpreter ``python``."""
+    ``python -m cacheblend.bench.vllm_peer`` run by the vLLM venv's interpreter ``python``
+    (with ``answer_tokens``, each prompt also answered with exactly that many tokens)."""
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "prompts.json", Path(tmp) / "peer.json"
-        spec.write_text(json.dumps({"model": model_dir, "dtype": "float32", "prompts": prompts}))
+        spec.write_text(json.dumps({"model": model_dir, "dtype": "float32", "prompts": prompts,
+                                    "answer_tokens": answer_tokens}))
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         proc = subprocess.run([str(python), "-m", "cacheblend.bench.vllm_peer", str(spec), "--out", str(out)],
                               env=env, timeout=timeout_s, stdout=sys.stderr)
@@ -68,5 +71,17 @@ def peer_records(peer: dict, full_first_tokens: dict[str, int], full_ttft_median
             "speedup_vs_full": full_ttft_median / statistics.median(ttft),
             "quality": None, "first_token_agreement": statistics.mean(agree) if agree else None,
             "kl_first_token": None, "output_f1_vs_full": None, "store_hit_rate": None,
+            **_answers(recs),
         })
     return out
+
+
+def _answers(recs: list[dict]) -> dict:
+    """Medians of the peer's fixed-length answers, in our records' names (none: empty)."""
+    timed = [r for r in recs if r.get("answer_total_s") is not None]
+    if not timed:
+        return {}
+    decode = [r["decode_ms_per_token"] for r in timed if r.get("decode_ms_per_token") is not None]
+    return {"answer_tokens": timed[0]["answer_tokens"],
+            "answer_total_median_s": statistics.median(r["answer_total_s"] for r in timed),
+            "decode_ms_per_token": statistics.median(decode) if decode else None}

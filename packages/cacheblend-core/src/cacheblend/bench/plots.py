@@ -12,20 +12,33 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def ttft_vs_chunks(records: list[dict], path: Path) -> Path | None:
-    ours = [r for r in records if r.get("chunks") is not None]
+    return _against_chunks(records, path, "ttft_median_s", "median TTFT (s)",
+                           "Time to first token against number of chunks")
+
+
+def total_vs_chunks(records: list[dict], path: Path) -> Path | None:
+    """The whole answer (TTFT plus the token loop) against the number of chunks."""
+    timed = [r for r in records if r.get("answer_total_median_s") is not None]
+    tokens = timed[0]["answer_tokens"] if timed else 0
+    return _against_chunks(timed, path, "answer_total_median_s", f"median time to a {tokens}-token answer (s)",
+                           "Total latency against number of chunks")
+
+
+def _against_chunks(records: list[dict], path: Path, key: str, ylabel: str, title: str) -> Path | None:
+    ours = [r for r in records if r.get("chunks") is not None and r.get(key) is not None]
     chunk_values = sorted({r["chunks"] for r in ours})
     if len(chunk_values) < 2:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for dataset in sorted({r["dataset"] for r in ours}):
         for variant in dict.fromkeys(r["variant"] for r in ours if r["dataset"] == dataset):
-            pts = sorted((r["chunks"], r["ttft_median_s"]) for r in ours
+            pts = sorted((r["chunks"], r[key]) for r in ours
                          if r["variant"] == variant and r["dataset"] == dataset)
             label = variant if len({r["dataset"] for r in ours}) == 1 else f"{dataset} {variant}"
             ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=label)
     ax.set_xlabel("chunks in the prompt")
-    ax.set_ylabel("median TTFT (s)")
-    ax.set_title("Time to first token against number of chunks")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from ..config import BlendConfig
 from ..engine import Engine
+from .latency import AnswerTiming, answer_latency
 from .metrics import kl_first_token, mean, output_f1, p90, quality
 from .tasks import Example, Task
 
@@ -57,6 +58,7 @@ class Sample:
     lookups: int
     first_token: int
     text: str = field(repr=False, default="")
+    answer: AnswerTiming | None = None  # the fixed-length answer's timing (``answer_tokens``)
 
 
 @dataclass
@@ -66,8 +68,10 @@ class BlendOptions:
 
 
 def run_examples(engine: Engine, task: Task, examples: list[Example], variants_: list[Variant],
-                 options: BlendOptions, desc: str = "") -> tuple[list[Sample], list[dict]]:
-    """Samples of every variant on every example, and the prompts as token ids (for peers)."""
+                 options: BlendOptions, desc: str = "", answer_tokens: int = 0) -> tuple[list[Sample], list[dict]]:
+    """Samples of every variant on every example, and the prompts as token ids (for peers).
+    With ``answer_tokens``, each variant also answers once with exactly that many tokens
+    (end to end: TTFT, decode ms per token, total time, memory)."""
     samples: list[Sample] = []
     prompts: list[dict] = []
     common = dict(preamble=task.preamble, stop=task.stop)
@@ -83,9 +87,11 @@ def run_examples(engine: Engine, task: Task, examples: list[Example], variants_:
         full = None
         for v in variants_:
             ratio = v.ratio if v.ratio is not None else BlendConfig.recompute_ratio
-            r = engine.generate(ex.query, handles, method=v.method, recompute_ratio=ratio,
-                                check_layers=options.check_layers, gradual=options.gradual,
-                                max_new_tokens=task.max_new_tokens, **common)
+            blend = dict(method=v.method, recompute_ratio=ratio, check_layers=options.check_layers,
+                         gradual=options.gradual)
+            r = engine.generate(ex.query, handles, max_new_tokens=task.max_new_tokens, **blend, **common)
+            answer = answer_latency(engine, ex.query, handles, answer_tokens, task.preamble, **blend) \
+                if answer_tokens else None
             if full is None:
                 full = r
             assert r.first_token_logits is not None and full.first_token_logits is not None
@@ -97,7 +103,7 @@ def run_examples(engine: Engine, task: Task, examples: list[Example], variants_:
                 output_f1=output_f1(r.text, full.text), prompt_tokens=s.prompt_tokens,
                 reused_tokens=s.reused_tokens, recomputed_tokens=s.recomputed_tokens,
                 hits=s.store_hits, lookups=s.store_hits + s.store_misses,
-                first_token=int(r.first_token_logits.argmax()), text=r.text,
+                first_token=int(r.first_token_logits.argmax()), text=r.text, answer=answer,
             ))
             bar.update()
     bar.close()
@@ -129,5 +135,19 @@ def summarise(samples: list[Sample], variants_: list[Variant], base: dict) -> li
             "mean_prompt_tokens": mean([s.prompt_tokens for s in mine]),
             "mean_reused_tokens": mean([s.reused_tokens for s in mine]),
             "mean_recomputed_tokens": mean([s.recomputed_tokens for s in mine]),
+            **answer_summary([s.answer for s in mine if s.answer is not None]),
         })
     return records
+
+
+def answer_summary(answers: list[AnswerTiming]) -> dict:
+    """Medians of the fixed-length answers (empty when none were timed)."""
+    if not answers:
+        return {}
+    med = statistics.median
+    return {"answer_tokens": answers[0].tokens,
+            "answer_ttft_median_s": med(a.ttft_s for a in answers),
+            "decode_ms_per_token": med(a.decode_ms_per_token for a in answers),
+            "answer_total_median_s": med(a.total_s for a in answers),
+            "peak_rss_mib": max(a.peak_rss_mib for a in answers),
+            "rss_growth_mib": med(a.rss_growth_mib for a in answers)}

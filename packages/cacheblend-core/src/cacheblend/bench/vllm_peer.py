@@ -17,7 +17,9 @@ Methods, each with its own ``LLM`` (one at a time, so two models never share the
 TTFT is the wall time of ``generate`` with ``max_tokens=1`` (the median over ``--repeats``),
 after one untimed run of a different prompt of the same length that absorbs compilation
 and first-call costs.  vLLM's own first-token latency (``RequestOutput.metrics``) is kept
-beside it.
+beside it.  With ``"answer_tokens": N`` in the input, each prompt is also answered once
+with exactly N tokens (``ignore_eos``): the wall time of that request, and decode ms per
+token from vLLM's own first- and last-token timestamps.
 
     HF_HUB_OFFLINE=1 .venv-vllm/bin/python -m cacheblend.bench.vllm_peer bench-out/vllm_peer_in.json \
         --out bench-out/vllm_peer.json
@@ -83,11 +85,12 @@ def make_llm(spec: dict, args: argparse.Namespace, apc: bool) -> Any:
     )
 
 
-def generate(llm: Any, ids: list[int]) -> tuple[float, Any]:
-    """Wall time of one single-token request, and its RequestOutput."""
+def generate(llm: Any, ids: list[int], tokens: int = 1) -> tuple[float, Any]:
+    """Wall time of one request for ``tokens`` greedy tokens (past EOS), and its RequestOutput."""
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=20 if tokens == 1 else None,
+                            ignore_eos=tokens > 1)
     t0 = time.perf_counter()
     (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
     return time.perf_counter() - t0, out
@@ -115,7 +118,20 @@ def rotated(ids: list[int]) -> list[int]:
     return ids[half:] + ids[:half]
 
 
-def measure(llm: Any, prompt: dict, method: str, repeats: int) -> dict:
+def answer(llm: Any, prompt: dict, method: str, tokens: int) -> dict:
+    """One ``tokens``-long answer, end to end (for APC from just the warm part again)."""
+    if method == "vllm_apc":
+        llm.reset_prefix_cache()
+        generate(llm, prompt["warm"])
+    wall, out = generate(llm, prompt["ids"], tokens)
+    made = len(out.outputs[0].token_ids)
+    m = getattr(out, "metrics", None)
+    decode = (m.last_token_ts - m.first_token_ts) / max(1, made - 1) if m and m.first_token_ts else None
+    return {"answer_tokens": made, "answer_total_s": wall,
+            "decode_ms_per_token": None if decode is None else 1000 * decode}
+
+
+def measure(llm: Any, prompt: dict, method: str, repeats: int, answer_tokens: int = 0) -> dict:
     """Time one prompt ``repeats`` times; for APC each run starts from just the warm part."""
     runs = []
     for _ in range(repeats):
@@ -130,7 +146,7 @@ def measure(llm: Any, prompt: dict, method: str, repeats: int) -> dict:
         "id": prompt["id"], "method": method, "prompt_tokens": len(prompt["ids"]),
         "ttft_s": statistics.median(r[0] for r in runs), "ttft_runs_s": [r[0] for r in runs],
         "num_cached_tokens": out.num_cached_tokens or 0, "first_token": tok, "top_logprobs": top,
-        **vllm_latency(out),
+        **vllm_latency(out), **(answer(llm, prompt, method, answer_tokens) if answer_tokens else {}),
     }
 
 
@@ -143,7 +159,7 @@ def run_method(spec: dict, args: argparse.Namespace, method: str) -> list[dict]:
     print(f"[{method}] load {load_s:.1f}s, warm-up {warm_s:.1f}s", file=sys.stderr)
     records = []
     for prompt in spec["prompts"]:
-        rec = measure(llm, prompt, method, args.repeats)
+        rec = measure(llm, prompt, method, args.repeats, spec.get("answer_tokens", 0))
         rec.update(load_s=load_s, warmup_s=warm_s)
         print(f"[{method}] {prompt['id']}: {rec['prompt_tokens']} tok, ttft {rec['ttft_s']:.3f}s, "
               f"cached {rec['num_cached_tokens']}, first token {rec['first_token']}", file=sys.stderr)

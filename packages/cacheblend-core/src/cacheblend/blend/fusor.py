@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..generate.decode import KVCache
-from ..models.decoder import Decoder, apply_rope
+from ..models.decoder import Decoder
 from ..store.entry import LayerSource
 from .attention import AttentionPlans
 from .loader import LayerLoader
@@ -163,12 +163,12 @@ def fused_prefill(
         for layer in range(shape.num_layers):
             check_deadline(deadline, f"the fused prefill, before layer {layer}")
             cached = loader.layer(layer)
-            _reposition(kv, layer, reused_spans, cached, cos, sin)
+            _reposition(dec, kv, layer, reused_spans, cached, cos, sin)
             x = dec.attn_input(layer, h)
             k, v = dec.keys_values(layer, x)
             if capture is not None:
                 capture(layer, active, k, v)
-            _write(kv, layer, active, apply_rope(k, cos[active], sin[active]), v)
+            _write(kv, layer, active, dec.rope(k, cos[active], sin[active]), v)
 
             if layer in checks and 0.0 < ratio < 1.0:
                 approx_kv = [c for (_, _, s), c in zip(reused_spans, cached, strict=True) if not s.exact]
@@ -179,9 +179,15 @@ def fused_prefill(
                     active, h, x = active[keep], h[keep], x[keep]
                     plans = AttentionPlans(active, shape.dtype, shape.groups)
             active_per_layer.append(active.numel())
-            q = apply_rope(dec.queries(layer, x), cos[active], sin[active])
+            rows = active
+            if layer == shape.num_layers - 1 and attend is None and rows.numel() > 1:
+                # Past the last layer only the last position is read (its logits); every
+                # token's K/V is written above, so the other rows' attention and MLP are waste.
+                rows, h, x = rows[-1:], h[-1:], x[-1:]
+                plans = AttentionPlans(rows, shape.dtype, shape.groups)
+            q = dec.rope(dec.queries(layer, x), cos[rows], sin[rows])
             if attend is not None:
-                attend(layer, active, q, kv.k[layer, :, :n])
+                attend(layer, rows, q, kv.k[layer, :, :n])
             plan = plans[shape.windows[layer]]
             h = dec.finish(layer, h, plan(q, kv.k[layer, :, :n], kv.v[layer, :, :n], dec.scaling))
     finally:
@@ -209,11 +215,11 @@ def _report(lay: _Layout, active: Tensor, logits: Tensor, loader: LayerLoader, a
     )
 
 
-def _reposition(kv: KVCache, layer: int, spans: list[tuple[int, int, Segment]], cached: list[tuple[Tensor, Tensor]],
-                cos: Tensor, sin: Tensor) -> None:
+def _reposition(dec: Decoder, kv: KVCache, layer: int, spans: list[tuple[int, int, Segment]],
+                cached: list[tuple[Tensor, Tensor]], cos: Tensor, sin: Tensor) -> None:
     """Write the reused K/V of one layer into the fused cache, RoPE applied at their real offsets."""
     for (a, b, _), (ck, cv) in zip(spans, cached, strict=True):
-        kv.k[layer, :, a:b] = apply_rope(ck, cos[a:b], sin[a:b])
+        kv.k[layer, :, a:b] = dec.rope(ck, cos[a:b], sin[a:b])
         kv.v[layer, :, a:b] = cv
 
 
@@ -249,7 +255,7 @@ def _question_attention(dec: Decoder, layer: int, x: Tensor, active: Tensor, lay
     rows = torch.searchsorted(active, lay.question)
     if rows.numel() == 0:
         return torch.zeros(keys.shape[1], device=keys.device)
-    q = apply_rope(dec.queries(layer, x[rows]), cos[lay.question], sin[lay.question])
+    q = dec.rope(dec.queries(layer, x[rows]), cos[lay.question], sin[lay.question])
     return query_attention(q, lay.question, keys, dec.scaling)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..blend.attention import AttentionPlans
-from ..models.decoder import Decoder, ModelShape, apply_rope
+from ..models.decoder import Decoder, ModelShape
 
 
 class KVCache:
@@ -39,10 +39,10 @@ def decode_step(dec: Decoder, kv: KVCache, token_id: int) -> Tensor:
     plans = AttentionPlans(positions, dec.shape.dtype, dec.shape.groups)
     for layer in range(dec.shape.num_layers):
         q, k, v = dec.qkv(layer, h)
-        kv.k[layer, :, pos : pos + 1] = apply_rope(k, cos, sin)
+        kv.k[layer, :, pos : pos + 1] = dec.rope(k, cos, sin)
         kv.v[layer, :, pos : pos + 1] = v
         plan = plans[dec.shape.windows[layer]]
-        out = plan(apply_rope(q, cos, sin), kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
+        out = plan(dec.rope(q, cos, sin), kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
         h = dec.finish(layer, h, out)
     kv.length = pos + 1
     return dec.logits(h)[0]

@@ -143,8 +143,9 @@ class Generation:
         text = TextStream(eng.tokenizer, self.sampling.stop)
         tokens: list[int] = []
         finish = "length"
+        eos: set[int] = set() if self.sampling.ignore_eos else eng.eos_ids
         t = time.perf_counter()
-        while token not in eng.eos_ids:
+        while token not in eos:
             tokens.append(token)
             piece = text.push(token)
             if piece:
@@ -154,7 +155,7 @@ class Generation:
             check_deadline(self.deadline, f"decoding, after {len(tokens)} tokens")
             with torch.inference_mode():
                 token = sampler(decode_step(eng.decoder, kv, token))
-        if token in eng.eos_ids or text.stopped:
+        if token in eos or text.stopped:
             finish = "stop"
         tail = text.flush()
         if tail:

@@ -19,17 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .kernels import Kernels, apply_rope, rotate_half
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "Decoder", "ModelShape", "apply_rope", "rotate_half"]
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` [heads, n, head_dim] to the positions whose ``cos``/``sin`` [n, hd] are given."""
-    return x * cos + rotate_half(x) * sin
 
 
 @dataclass(frozen=True)
@@ -54,9 +48,11 @@ class ModelShape:
 class Decoder:
     """Runs a transformers ``*ForCausalLM`` (Llama family) one layer at a time."""
 
-    def __init__(self, hf_model: Any) -> None:
+    def __init__(self, hf_model: Any, compile: bool = False) -> None:
         """``hf_model``: a transformers ``*ForCausalLM`` (typed loosely: its submodules are
-        reached by name)."""
+        reached by name).  ``compile``: run RMSNorm, RoPE and the output projection + MLP
+        through ``torch.compile`` (:mod:`.kernels`) where the layers have the plain Llama
+        shape (SiLU gating, no MLP biases); otherwise transformers' modules run as they are."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -87,6 +83,8 @@ class Decoder:
         )
         self.scaling: float = float(getattr(attn0, "scaling", head_dim**-0.5))
         self.has_qk_norm = hasattr(attn0, "q_norm")
+        self.kernels = Kernels(compile and getattr(cfg, "hidden_act", None) in ("silu", "swish")
+                               and _plain_layers(self.layers))
 
     # -- positions -------------------------------------------------------------------
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -100,8 +98,15 @@ class Decoder:
     def embed(self, token_ids: Tensor) -> Tensor:
         return self.embed_tokens(token_ids)
 
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """:func:`apply_rope`, compiled when the decoder is."""
+        return self.kernels.rope(x, cos, sin)
+
     def attn_input(self, layer: int, h: Tensor) -> Tensor:
-        return self.layers[layer].input_layernorm(h)
+        norm = self.layers[layer].input_layernorm
+        if self.kernels.compiled:
+            return self.kernels.norm(h, norm.weight, norm.variance_epsilon)
+        return norm(h)
 
     def queries(self, layer: int, x: Tensor) -> Tensor:
         """Queries [H, n, hd] (before RoPE) of normalized hidden states ``x`` [n, d]."""
@@ -130,9 +135,28 @@ class Decoder:
         """Output projection, residuals and MLP. ``attn_out`` is [H, n, hd]."""
         blk = self.layers[layer]
         n = h.shape[0]
+        if self.kernels.compiled:
+            o_proj, mlp, norm = blk.self_attn.o_proj, blk.mlp, blk.post_attention_layernorm
+            return self.kernels.finish(h, attn_out.transpose(0, 1).reshape(n, -1), o_proj.weight, o_proj.bias,
+                                       norm.weight, norm.variance_epsilon, mlp.gate_proj.weight, mlp.up_proj.weight,
+                                       mlp.down_proj.weight)
         o = blk.self_attn.o_proj(attn_out.transpose(0, 1).reshape(n, -1))
         h = h + o
         return h + blk.mlp(blk.post_attention_layernorm(h))
 
     def logits(self, h: Tensor) -> Tensor:
         return self.lm_head(self.final_norm(h)).float()
+
+
+def _plain_layers(layers: Any) -> bool:
+    """Whether every layer has the shape :func:`.kernels.finish` computes: RMSNorms with a
+    ``variance_epsilon``, a gated MLP without biases (the caller checks the activation)."""
+    for blk in layers:
+        mlp = blk.mlp
+        parts = (getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None))
+        if any(p is None or p.bias is not None for p in parts):
+            return False
+        norms = (blk.input_layernorm, blk.post_attention_layernorm)
+        if not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms):
+            return False
+    return True

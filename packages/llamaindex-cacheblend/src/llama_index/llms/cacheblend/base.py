@@ -110,6 +110,8 @@ class CacheBlendLLM(CustomLLM):
                                                                     "raw['cacheblend']['fidelity']).")
     seed: int | None = _D.seed
     stop: list[str] = Field(default_factory=lambda: list(_D.stop), description="Strings that end the answer.")
+    ignore_eos: bool = Field(default=_D.ignore_eos, description="Decode past end-of-sequence up to max_tokens "
+                                                                "(fixed-length answers, for timing).")
     learn: bool = Field(default=_D.learn, description="Cache long unknown paragraphs of prompts for next time.")
     base_url: str | None = Field(default=None, description="An OpenAI-compatible vLLM server with the CacheBlend "
                                                            "connector to answer instead of the in-process engine.")

@@ -1,0 +1,94 @@
+"""The elementwise parts of a layer as functions, optionally compiled with ``torch.compile``.
+
+The profile (docs/performance.md) puts a tenth of full prefill in elementwise work run as
+separate eager ops over [n, d] tensors: RMSNorm (square, mean, rsqrt, two products), RoPE
+(two products, a negation, a concatenation and a sum), SiLU-gating and the residual adds.
+Each op reads and writes the whole activation again.  Compiled, inductor fuses each of
+these groups into one loop and keeps the matmuls as library calls.
+
+The functions take the weights as arguments, so one compiled graph serves every layer
+(shapes are dynamic in the number of tokens: one graph serves every prompt length).
+Compiled code is cached on disk (inductor's FX graph cache, under ``$CACHEBLEND_HOME/inductor``
+unless ``TORCHINDUCTOR_CACHE_DIR`` is set), so its cost is paid once per machine.  Where
+compilation fails (no C++ compiler, an unsupported platform) the kernels say why once and
+run eagerly from then on: a slower answer, never a failed one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger("cacheblend.kernels")
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` [heads, n, head_dim] to the positions whose ``cos``/``sin`` [n, hd] are given."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama's RMSNorm, as transformers computes it (in float32, then back to ``x``'s dtype)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def finish(h: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, norm_w: Tensor, eps: float,
+           wg: Tensor, wu: Tensor, wd: Tensor) -> Tensor:
+    """Output projection and residual, then RMSNorm, the SiLU-gated MLP and its residual.
+    ``attn`` is [n, H·hd]."""
+    h = h + F.linear(attn, wo, bo)
+    x = rms_norm(h, norm_w, eps)
+    return h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+class Kernels:
+    """The layer pieces the decoder runs: eager, or compiled with an eager fallback."""
+
+    def __init__(self, compiled: bool = False) -> None:
+        self.compiled = compiled
+        self._eager: dict[str, Callable[..., Any]] = {"rope": apply_rope, "norm": rms_norm, "finish": finish}
+        self._fast = dict(self._eager)
+        if compiled:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_dir()))
+            self._fast = {name: torch.compile(fn, dynamic=True) for name, fn in self._eager.items()}
+
+    def _run(self, name: str, *args: Any) -> Tensor:
+        try:
+            return self._fast[name](*args)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, never fail the request
+            if self._fast[name] is self._eager[name]:
+                raise
+            log.warning("cacheblend: torch.compile is unavailable here (%s: %s); running eagerly",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self._fast = dict(self._eager)
+            self.compiled = False
+            return self._eager[name](*args)
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return self._run("rope", x, cos, sin)
+
+    def norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return self._run("norm", x, weight, eps)
+
+    def finish(self, h: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, norm_w: Tensor, eps: float,
+               wg: Tensor, wu: Tensor, wd: Tensor) -> Tensor:
+        return self._run("finish", h, attn, wo, bo, norm_w, eps, wg, wu, wd)
+
+
+def _inductor_dir() -> Any:
+    from .loader import cache_home
+
+    return cache_home() / "inductor"
