@@ -225,8 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ui)
 
     from .bench.command import add_parser as add_bench  # light: heavy imports happen when it runs
+    from .integrations.serve import add_parser as add_serve
 
     add_bench(sub)
+    add_serve(sub)
     return ap
 
 

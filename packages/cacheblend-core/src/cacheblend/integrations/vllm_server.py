@@ -60,6 +60,8 @@ class VLLMServer:
     python: str = sys.executable
     port: int = field(default_factory=free_port)
     log_path: Path | None = None
+    host: str = "127.0.0.1"
+    quiet: bool = True  # without log_path: True discards vLLM's output, False lets it through
     max_model_len: int = 8192
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
@@ -67,11 +69,16 @@ class VLLMServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"http://{self._reach}:{self.port}/v1"
+
+    @property
+    def _reach(self) -> str:
+        """Where a client on this machine reaches the server (a wildcard address is loopback too)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
 
     def command(self) -> list[str]:
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+               "--host", self.host, "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
                "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_model_len),
                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
         if self.connector is not None:
@@ -84,7 +91,8 @@ class VLLMServer:
     def start(self, timeout: float = 600.0) -> VLLMServer:
         env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, (os.cpu_count() or 1) - 1)}",
                "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, **self.env}
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        log: Any = open(self.log_path, "ab") if self.log_path else (  # noqa: SIM115
+            subprocess.DEVNULL if self.quiet else None)
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -93,7 +101,7 @@ class VLLMServer:
                 raise RuntimeError(f"vLLM server exited with code {self.proc.returncode} while starting"
                                    f"{self._log_tail()}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                with urllib.request.urlopen(f"http://{self._reach}:{self.port}/health", timeout=5) as r:
                     if r.status == 200:
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -101,6 +109,12 @@ class VLLMServer:
             time.sleep(1.0)
         self.stop()
         raise TimeoutError(f"vLLM server not healthy after {timeout:.0f} s{self._log_tail()}")
+
+    def wait(self) -> int:
+        """Block until the server exits on its own; its exit code."""
+        if self.proc is None:
+            raise RuntimeError("the server is not running")
+        return self.proc.wait()
 
     def _log_tail(self) -> str:
         if self.log_path and Path(self.log_path).exists():

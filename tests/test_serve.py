@@ -1,0 +1,123 @@
+"""``cacheblend serve``: two replicas started by the command, on one Redis tier and one
+Redis passage registry, answering a stock OpenAI client; the second reuses the chunks the
+first computed; Ctrl-C (and SIGTERM) stop each one with its whole vLLM process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cacheblend.datasets import load_qa
+from cacheblend.integrations.registry import register_passages
+from cacheblend.integrations.vllm_server import free_port
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("CACHEBLEND_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+def _serve(model: str, port: int, store: str, passages: str, root: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cacheblend.cli", "serve", model, "--store", store, "--passages", passages,
+         "--port", str(port), "--stats", str(root / f"stats-{port}.jsonl"), "--log", str(root / f"vllm-{port}.log"),
+         "--vllm-python", str(VLLM_PYTHON), "--start-timeout", "500"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def _url_of(proc: subprocess.Popen, root: Path, port: int) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # the command prints one line once the server is healthy
+    if not line.startswith("cacheblend serve: http"):
+        proc.kill()
+        log = (root / f"vllm-{port}.log").read_text(errors="replace")[-3000:] if (root / f"vllm-{port}.log").exists() \
+            else ""
+        pytest.fail(f"no URL line: {line!r} {proc.stderr.read() if proc.stderr else ''} {log}")
+    return line.split()[2]
+
+
+def _last_load(root: Path, port: int) -> dict:
+    lines = (root / f"stats-{port}.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["op"] == "load"][-1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def _servers_on(port: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if "vllm.entrypoints.openai.api_server" in cmd and str(port) in cmd:
+            out.append(p)
+    return out
+
+
+def test_replicas_started_by_cacheblend_serve_share_chunks_and_stop_cleanly(tmp_path, default_model_dir,
+                                                                          redis_server):
+    if not VLLM_PYTHON.exists():
+        if os.environ.get("CACHEBLEND_REQUIRE_VLLM") == "1":
+            pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm` builds the vLLM venv")
+        pytest.skip("no vLLM venv (make vllm)")
+    import redis
+    from openai import OpenAI
+
+    url = redis_server.url.rsplit("/", 1)[0] + "/3"  # a database of its own
+    redis.Redis.from_url(url).flushdb()
+    ports = [free_port(), free_port()]
+    procs = [_serve(str(default_model_dir), port, f"memory,{url}", url, tmp_path) for port in ports]
+    try:
+        urls = [_url_of(p, tmp_path, port) for p, port in zip(procs, ports, strict=True)]
+        assert urls == [f"http://127.0.0.1:{port}/v1" for port in ports]
+        ex = load_qa("musique", "dev", limit=1, passages=4)[0]
+        passages = [p.strip() for p in ex.passages]
+        register_passages(url, passages)  # once, in the registry every replica reads
+        content = "\n\n".join(passages) + f"\n\nQuestion: {ex.question}"
+        replies = []
+        for base_url in urls:
+            client = OpenAI(base_url=base_url, api_key="EMPTY")
+            model = client.models.list().data[0].id
+            replies.append(client.chat.completions.create(
+                model=model, max_tokens=4, temperature=0.0, messages=[{"role": "user", "content": content}]))
+        first, second = _last_load(tmp_path, ports[0]), _last_load(tmp_path, ports[1])
+        assert first["chunks"] == second["chunks"] == len(passages)
+        assert first["store_misses"] == len(passages)  # replica A computed the chunks and stored them in Redis ...
+        assert second["store_hits"] == len(passages) and second["store_misses"] == 0  # ... B reused them all
+        assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+        from langchain_cacheblend import ChatCacheBlend  # the framework adapter on the same URL
+
+        reply = ChatCacheBlend(base_url=urls[1], max_tokens=4, learn_passages=False).invoke(
+            ex.question, documents=passages)
+        assert reply.content and reply.response_metadata["cacheblend"]["chunks"] == len(passages)
+    finally:
+        for proc, sig in zip(procs, (signal.SIGINT, signal.SIGTERM), strict=True):  # Ctrl-C, and a service stop
+            if proc.poll() is None:
+                proc.send_signal(sig)
+        codes = [proc.wait(timeout=120) for proc in procs]
+    assert codes == [0, 0]
+    for base_url, port in zip(urls, ports, strict=True):
+        assert not _healthy(base_url)
+        assert _servers_on(port) == []
+
+
+def test_serve_names_what_is_missing(tmp_path):
+    env = {**os.environ, "CACHEBLEND_VLLM_PYTHON": ""}
+    out = subprocess.run([sys.executable, "-m", "cacheblend.cli", "serve", "--store", f"disk:{tmp_path}"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "no vLLM interpreter" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "cacheblend.cli", "serve", "--store", "tape:/x",
+                          "--vllm-python", sys.executable], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "tape" in out.stderr
