@@ -102,6 +102,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         self._spans: dict[str, list[tuple[int, int]]] = {}  # req_id -> matched spans (a pure cache)
         self._pending: dict[str, BlendLoad] = {}
         self._ops: dict[str, tuple[str, Any]] = {}  # req_id -> ("ingest", sink) | ("release", ids)
+        self._prefilling: dict[str, ChunkSave] = {}  # ingest requests vLLM prefills over several steps
         self._hints: dict[str, KVParams | None] = {}  # req_id -> its checked hints (None: invalid)
         self._receipts: dict[str, dict] = {}  # req_id -> fidelity receipt from the worker (scheduler side)
         self._awaiting: dict[str, dict] = {}  # req_id -> marker returned before its receipt came
@@ -199,13 +200,31 @@ class CacheBlendConnector(KVConnectorBase_V1):
             if kind == "release":
                 meta.releases.append(arg)
                 continue
-            ids = list(new.prompt_token_ids or [])
+            save = ChunkSave(new.req_id, list(new.prompt_token_ids or []), list(new.block_ids[0]), arg)
             scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            if new.num_computed_tokens == 0 and scheduled >= len(ids):
-                meta.saves.append(ChunkSave(new.req_id, ids, list(new.block_ids[0]), arg))
-            else:  # prefilled over several steps: not saved; the core computes it on first use
-                log.warning("CacheBlend: ingest request %s not prefilled in one step; not saved", new.req_id)
+            if new.num_computed_tokens + scheduled >= len(save.token_ids):
+                meta.saves.append(save)
+            else:  # chunked prefill: saved after the step that computes its last token
+                self._prefilling[new.req_id] = save
+        self._continue_ingests(scheduler_output, meta)
         return meta
+
+    def _continue_ingests(self, scheduler_output: Any, meta: CacheBlendMeta) -> None:
+        """Follow ingest requests prefilled over several steps (a chunk longer than
+        ``max_num_batched_tokens``): collect their blocks, and save once the last step runs."""
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            save = self._prefilling.get(req_id)
+            if save is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted: its blocks were replaced
+                save.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+            elif new_blocks is not None:
+                save.block_ids += list(new_blocks[0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if done >= len(save.token_ids):
+                meta.saves.append(self._prefilling.pop(req_id))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Blocks are freed at once; a request that came with ``kv_transfer_params`` gets
@@ -213,6 +232,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         spans = self._spans.pop(request.request_id, None) or []
         self._pending.pop(request.request_id, None)
         self._ops.pop(request.request_id, None)
+        self._prefilling.pop(request.request_id, None)
         self._hints.pop(request.request_id, None)
         receipt = self._receipts.pop(request.request_id, None)
         if not request_params(request):
