@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .loader import cache_home
+
 log = logging.getLogger("cacheblend.kernels")
 
 
@@ -55,40 +57,30 @@ def finish(h: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, norm_w: Tenso
 
 
 class Kernels:
-    """The layer pieces the decoder runs: eager, or compiled with an eager fallback."""
+    """The layer pieces the decoder runs: the plain functions, or compiled ones that fall
+    back to the plain functions for good on their first failure."""
 
     def __init__(self, compiled: bool = False) -> None:
         self.compiled = compiled
-        self._eager: dict[str, Callable[..., Any]] = {"rope": apply_rope, "norm": rms_norm, "finish": finish}
-        self._fast = dict(self._eager)
+        self.rope: Callable[..., Tensor] = apply_rope
+        self.norm: Callable[..., Tensor] = rms_norm
+        self.finish: Callable[..., Tensor] = finish
         if compiled:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_dir()))
-            self._fast = {name: torch.compile(fn, dynamic=True) for name, fn in self._eager.items()}
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home() / "inductor"))
+            self.rope, self.norm, self.finish = (self._guarded(fn) for fn in (apply_rope, rms_norm, finish))
 
-    def _run(self, name: str, *args: Any) -> Tensor:
-        try:
-            return self._fast[name](*args)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, never fail the request
-            if self._fast[name] is self._eager[name]:
-                raise
-            log.warning("cacheblend: torch.compile is unavailable here (%s: %s); running eagerly",
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            self._fast = dict(self._eager)
-            self.compiled = False
-            return self._eager[name](*args)
+    def _guarded(self, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        fast = torch.compile(fn, dynamic=True)
 
-    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return self._run("rope", x, cos, sin)
+        def run(*args: Any) -> Tensor:
+            if not self.compiled:
+                return fn(*args)
+            try:
+                return fast(*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, never fail the request
+                log.warning("cacheblend: torch.compile is unavailable here (%s: %s); running eagerly",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.compiled = False
+                return fn(*args)
 
-    def norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return self._run("norm", x, weight, eps)
-
-    def finish(self, h: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, norm_w: Tensor, eps: float,
-               wg: Tensor, wu: Tensor, wd: Tensor) -> Tensor:
-        return self._run("finish", h, attn, wo, bo, norm_w, eps, wg, wu, wd)
-
-
-def _inductor_dir() -> Any:
-    from .loader import cache_home
-
-    return cache_home() / "inductor"
+        return run
