@@ -227,6 +227,8 @@ class Run:
             "wrong_answers": sum(bool(r.get("wrong")) for r in reqs),
             "failed_requests": len(errors),
             "errors": sorted(set(errors))[:10], "client_crashes": len(crashes),
+            "wrong": [r for r in reqs if r.get("wrong")][:5],  # the records, to read next to the fault events
+            "events": self.events if any(r.get("wrong") for r in reqs) or errors else [],
             "faults": {k: sum(e["kind"] == k for e in self.events) for k in FAULTS},
             "disk_full_tested": bool(self.mounted),
             "recovery_s": _recovery(self.events, reqs),

@@ -27,7 +27,8 @@ def test_no_wrong_answer_crash_or_lost_entry_under_faults(tmp_path, default_mode
     assert out.exists(), run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["served"] > 20 and report["generate"] > 10, report
-    assert report["wrong_answers"] == 0 and report["failed_requests"] == 0, report
+    assert report["wrong_answers"] == 0, json.dumps({k: report[k] for k in ("wrong", "events")})
+    assert report["failed_requests"] == 0, report["errors"]
     assert report["client_crashes"] == 0 and report["after"]["entries_lost"] == 0, report
     assert all(report["faults"][k] >= 1 for k in ("kill", "redis", "damage", "index")), report
     assert run.returncode == 0

@@ -47,6 +47,31 @@ def _against_chunks(records: list[dict], path: Path, key: str, ylabel: str, titl
     return path
 
 
+def ttft_vs_rate(summaries: list[dict], path: Path) -> Path | None:
+    """p90 (solid) and p50 (dashed) TTFT against the offered request rate, one colour per
+    serving mode (``benchmarks/load.py``)."""
+    if not summaries:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n, mode in enumerate(dict.fromkeys(s["mode"] for s in summaries)):
+        pts = sorted((s["rate_per_min"], s["ttft_p90_s"], s["ttft_p50_s"]) for s in summaries
+                     if s["mode"] == mode and s["ttft_p90_s"] is not None)
+        colour = f"C{n}"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colour, label=f"{mode} p90")
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], marker=".", color=colour, linestyle="--", alpha=0.6,
+                label=f"{mode} p50")
+    ax.set_xlabel("offered load (requests per minute)")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_yscale("log")
+    ax.set_title("Time to first token under load")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def quality_vs_ratio(records: list[dict], path: Path) -> Path | None:
     """Per data set: quality against gold, first-token agreement and output F1 against
     full prefill, for reuse (r = 0), blend at each ratio and full prefill (r = 1)."""
