@@ -234,7 +234,8 @@ def run_mode(mode: str, client: Client, pool: list[str], requests: list[Request]
         out["samples"][str(rate)] = [asdict(s) for s in samples]
         print(f"{mode} @ {rate:g}/min: " + ", ".join(f"{k} {v}" for k, v in asdict(summary).items()
                                                       if k not in ("mode", "rate_per_min")), flush=True)
-        if summary.completed_per_min < 0.7 * rate:  # saturated: a higher rate only queues more
+        offered = 60.0 * summary.sent / args.duration  # what the Poisson draw actually sent
+        if summary.completed_per_min < 0.7 * offered:  # saturated: a higher rate only queues more
             break
     return out
 

@@ -1,14 +1,7 @@
 """CacheBlend as a vLLM (0.32, V1) KV connector: blended chunk caches written into vLLM's blocks.
 
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-    llm = LLM(model=HF_FOLDER, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="CacheBlendConnector",
-                  kv_connector_module_path="cacheblend.integrations.vllm", kv_role="kv_both",
-                  kv_connector_extra_config={"store": "disk:/path/kv", "passages": "/path/p.jsonl",
-                                             "recompute_ratio": 0.15}))
-
+Loaded by ``--kv-transfer-config`` (``cacheblend serve`` or
+:func:`.vllm_server.kv_transfer_config` writes it; examples in docs/vllm.md).
 How it works (user guide: docs/vllm.md; verified vLLM internals: docs/internals/):
 
 * vLLM runs the connector's two halves in different processes (scheduler side in
@@ -36,7 +29,9 @@ They are checked by :func:`.kv_params.parse_kv_params`: the OpenAI server answer
 one with HTTP 400 (:mod:`.vllm_http`), and here a request with a bad one runs as plain
 vLLM, with the reason in the log (the scheduler must never raise).  Run vLLM with
 ``enable_prefix_caching=False`` (blended blocks must not enter vLLM's prefix cache as if
-exact).  Only the ``vec`` attention ISA (float32 on AVX-512 CPUs) has the verified layout.
+exact).  K/V are written through the attention backend's own cache-update op; at start-up
+the worker self-checks the layout (:mod:`.paged`) and, if it fails, tells the scheduler
+side, which then runs every request as plain vLLM.
 """
 
 from __future__ import annotations
@@ -67,9 +62,9 @@ from ..results import BlendStats
 from ..store import ChunkKV, tier_total
 from ..store.spec import split_spec
 from .kv_params import KVParams, fit_spans, parse_kv_params
-from .paged import paged_views, read_blocks, write_blocks
+from .paged import LayoutCheck, PagedKV, paged_views, self_check
 from .registry import REDIS_PASSAGES_KEY, ChunkMatcher, read_passages, register_passages
-from .vllm_meta import BlendLoad, BlendReceipts, CacheBlendMeta, ChunkSave, request_params
+from .vllm_meta import BlendLoad, BlendReceipts, CacheBlendMeta, ChunkSave, LayoutReport, request_params
 
 __all__ = ["REDIS_PASSAGES_KEY", "CacheBlendConnector", "ChunkMatcher", "paged_views", "read_passages",
            "register_passages"]
@@ -106,9 +101,11 @@ class CacheBlendConnector(KVConnectorBase_V1):
         self._hints: dict[str, KVParams | None] = {}  # req_id -> its checked hints (None: invalid)
         self._receipts: dict[str, dict] = {}  # req_id -> fidelity receipt from the worker (scheduler side)
         self._awaiting: dict[str, dict] = {}  # req_id -> marker returned before its receipt came
+        self._blending_off: str | None = None  # why, when a worker's layout self-check failed
         # worker side
         self._engine: Engine | None = None
-        self._kv_caches: list[torch.Tensor] = []
+        self._paged: PagedKV | None = None
+        self._layout = LayoutCheck(False, "?", "no KV caches registered yet")
         self._failed_blocks: set[int] = set()
         self._step_receipts: dict[str, dict] = {}  # this step's receipts, for the scheduler side
         self.last_stats: dict[str, Any] = {}
@@ -156,9 +153,18 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 self._hints[req_id] = None
         return self._hints[req_id]
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """The workers' layout self-checks, before the first request: one failure turns
+        blending off for this server (requests run as plain vLLM)."""
+        failed = [m for m in metadata.values() if isinstance(m, LayoutReport) and not m.ok]
+        if failed:
+            self._blending_off = f"{failed[0].backend}: {failed[0].reason}"
+            log.warning("CacheBlend: blending is OFF, every request runs as plain vLLM (KV layout self-check "
+                        "failed on %s)", self._blending_off)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         n = len(request.prompt_token_ids or [])
-        if not self._match(request):
+        if self._blending_off is not None or not self._match(request):
             return 0, False
         return max(0, n - 1 - num_computed_tokens), False
 
@@ -269,17 +275,21 @@ class CacheBlendConnector(KVConnectorBase_V1):
         return self._engine
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._kv_caches = [t for _, t in sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))]
-        self.engine()  # at startup, not inside the first request's TTFT
+        """Keep the caches with their attention layers and self-check the layout, at
+        start-up: not inside the first request's TTFT, and before any request is blended."""
+        names = sorted(kv_caches, key=_layer_index)
+        attention = self._vllm_config.compilation_config.static_forward_context
+        self._paged = PagedKV([kv_caches[n] for n in names], [attention.get(n) for n in names], self.block_size)
+        eng = self.engine()
+        probe = eng.chunks.precompute(eng.prompts.chunk_ids("CacheBlend layout self-check: a known chunk.")
+                                      [: self.block_size - len(eng.chunks.sink)])
+        self._layout = self_check(self._paged, probe.k, probe.v)
+        (log.info if self._layout.ok else log.warning)("CacheBlend KV layout self-check %s on %s: %s",
+                                                       "passed" if self._layout.ok else "FAILED (blending is off)",
+                                                       self._layout.backend, self._layout.reason)
 
-    def _check_layout(self, forward_context: Any) -> None:
-        layers = getattr(forward_context, "no_compile_layers", {}) or {}
-        isas = {getattr(m, "isa", None) for m in layers.values()} - {None}
-        if isas and isas != {"vec"}:
-            raise RuntimeError(f"CacheBlendConnector: KV layout verified only for the 'vec' ISA, got {isas}")
-        dec = self.engine().decoder.shape
-        if len(self._kv_caches) != dec.num_layers:
-            raise RuntimeError(f"{len(self._kv_caches)} vLLM KV layers, the model has {dec.num_layers}")
+    def get_handshake_metadata(self) -> LayoutReport:
+        return LayoutReport(self._layout.ok, self._layout.backend, self._layout.reason)
 
     def _blend(self, load: BlendLoad) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused K (post-RoPE) and V ``[layers, heads, tokens, head_dim]`` of the whole prompt,
@@ -305,9 +315,10 @@ class CacheBlendConnector(KVConnectorBase_V1):
         return kv.k, kv.v
 
     def _write(self, load: BlendLoad, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._paged is None or not self._layout.ok:
+            raise RuntimeError(f"blending is off: {self._layout.reason}")
         end = len(load.token_ids) - 1
-        write_blocks(self._kv_caches, self.block_size, load.block_ids, load.start, k[:, :, load.start:end],
-                     v[:, :, load.start:end])
+        self._paged.write(load.block_ids, load.start, k[:, :, load.start:end], v[:, :, load.start:end])
 
     def _record(self, stats: dict[str, Any]) -> None:
         log.info("CacheBlend %s", stats)
@@ -327,7 +338,9 @@ class CacheBlendConnector(KVConnectorBase_V1):
         if eng.store.open(key) is not None:  # already stored: skip reading the blocks
             self._record({"req_id": save.req_id, "op": "ingest", "key": key[:16], "stored": False})
             return
-        k, v = read_blocks(self._kv_caches, self.block_size, save.block_ids, save.sink, len(save.token_ids))
+        if self._paged is None or not self._layout.readable:
+            raise RuntimeError(f"reading vLLM's K/V is off: {self._layout.reason}")
+        k, v = self._paged.read(save.block_ids, save.sink, len(save.token_ids))
         cos, sin = eng.decoder.rope_tables(torch.arange(save.sink, len(save.token_ids)))
         k = apply_rope(k.float(), cos[None, None].float(), -sin[None, None].float()).to(eng.decoder.shape.dtype)
         stored = cache.save(chunk, ChunkKV(k.contiguous(), v.to(k.dtype).contiguous()))
@@ -349,7 +362,6 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 log.exception("CacheBlend release failed")
         if not meta.loads:
             return
-        self._check_layout(forward_context)
         for load in meta.loads:
             t0 = time.perf_counter()
             try:
@@ -385,7 +397,3 @@ class CacheBlendConnector(KVConnectorBase_V1):
                     self._save(save)
             except Exception:  # noqa: BLE001 - the chunk is then computed by the core on first use
                 log.exception("CacheBlend save failed for %s", save.req_id)
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        return None

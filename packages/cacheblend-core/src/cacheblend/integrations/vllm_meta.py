@@ -12,11 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from ..config import BlendConfig
 
-__all__ = ["BlendLoad", "BlendReceipts", "CacheBlendMeta", "ChunkSave", "request_params"]
+__all__ = ["BlendLoad", "BlendReceipts", "CacheBlendMeta", "ChunkSave", "LayoutReport", "request_params"]
 
 
 @dataclass
@@ -67,3 +71,13 @@ class BlendReceipts(KVConnectorWorkerMetadata):
         merged.update(getattr(other, "receipts", {}))
         return BlendReceipts(merged)
 
+
+
+@dataclass
+class LayoutReport(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once at start-up (vLLM's connector handshake): the KV layout
+    self-check's verdict (:func:`.paged.self_check`); not ``ok`` turns blending off."""
+
+    ok: bool
+    backend: str
+    reason: str

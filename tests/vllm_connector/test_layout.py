@@ -1,0 +1,130 @@
+"""The paged-cache layout self-check (cacheblend.integrations.paged) against vLLM's real
+CPU cache-update op: the ``vec`` (float32) and ``amx`` (bfloat16) layouts are derived from
+the op and round-trip K/V over several blocks; a source-written layout that disagrees with
+the op, and a backend without the op, are refused; and a server whose self-check fails
+runs every request as plain vLLM (no externally loaded tokens)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from cacheblend.integrations import paged  # noqa: E402
+from cacheblend.integrations.paged import PagedKV, self_check  # noqa: E402
+
+HEADS, HEAD_DIM, BLOCK, LAYERS = 3, 64, 32, 2
+
+
+def _impl(dtype: torch.dtype):
+    """vLLM's own CPU attention impl; its ISA is the one vLLM picks for ``dtype`` here."""
+    from unittest import mock
+
+    from vllm.v1.attention.backends import cpu_attn
+
+    config = SimpleNamespace(model_config=SimpleNamespace(dtype=dtype))  # all the impl reads of vLLM's config
+    with mock.patch.object(cpu_attn, "get_current_vllm_config", return_value=config):
+        impl = cpu_attn.CPUAttentionBackendImpl(9, HEAD_DIM, HEAD_DIM ** -0.5, HEADS, None, None, "auto")
+    isa = cpu_attn._get_attn_isa(dtype, BLOCK, HEAD_DIM)  # noqa: SLF001 - how vLLM picks it; no public API
+    return SimpleNamespace(impl=impl, isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+
+
+def _paged(dtype: torch.dtype, blocks: int = 6) -> PagedKV:
+    layer = _impl(dtype)
+    caches = [torch.zeros(blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=dtype) for _ in range(LAYERS)]
+    return PagedKV(caches, [layer] * LAYERS, BLOCK)
+
+
+def _probe(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(LAYERS, HEADS, n, HEAD_DIM, generator=g), torch.randn(LAYERS, HEADS, n, HEAD_DIM, generator=g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layout_is_derived_from_vllms_op_and_round_trips(dtype):
+    kv = _paged(dtype)
+    isa = kv.layers[0].isa
+    if dtype == torch.bfloat16 and isa != "amx":
+        pytest.skip(f"no AMX here (vLLM picks {isa!r})")
+    k, v = _probe(BLOCK - 5)
+    check = self_check(kv, k, v)
+    assert check.ok and check.readable, check
+    assert all(not c.any() for c in kv.caches), "the scratch block is restored"
+    k, v = _probe(70, seed=1)  # three blocks, out of order, starting mid-block
+    kv.write([4, 1, 3, 2], 10, k, v)
+    rk, rv = kv.read([4, 1, 3, 2], 10, 80)
+    assert torch.equal(rk, k.to(dtype)) and torch.equal(rv, v.to(dtype))
+    if isa == "vec":  # the op wrote what the layout written from vLLM's source says
+        k_t, v_pg = paged.paged_views(kv.caches[0], BLOCK)
+        assert torch.equal(k_t[4, :, :, 10], k[0, :, 0].to(dtype)) and torch.equal(v_pg[1, :, 3], v[0, :, 25].to(dtype))
+
+
+def test_a_source_layout_that_disagrees_with_vllms_op_is_refused(monkeypatch):
+    def wrong(cache, block_size):  # K not transposed: the classic mistake
+        k_pg, v_pg = cache.view(cache.shape[0], cache.shape[1], 2, block_size, -1).unbind(2)
+
+        def write(k, v, slots):
+            k_pg[slots // block_size, :, slots % block_size] = k.to(cache.dtype)
+            v_pg[slots // block_size, :, slots % block_size] = v.to(cache.dtype)
+        return write
+
+    kv = _paged(torch.float32)
+    monkeypatch.setitem(paged.SOURCE_LAYOUTS, "vec", wrong)
+    check = self_check(kv, *_probe(8))
+    assert not check.ok and "does not store the 'vec' layout" in check.reason
+    assert kv.layout is None
+    with pytest.raises(RuntimeError, match="self-check"):
+        kv.read([1], 0, 4)
+
+
+def test_a_backend_without_the_op_is_refused():
+    kv = PagedKV([torch.zeros(4, HEADS, BLOCK, 2 * HEAD_DIM)] * LAYERS, [SimpleNamespace(impl=object())] * LAYERS,
+                 BLOCK)
+    check = self_check(kv, *_probe(8))
+    assert not check.ok and "do_kv_cache_update" in check.reason
+
+
+def test_a_failed_self_check_makes_the_server_plain_vllm(monkeypatch, tmp_path, default_model_dir):
+    """In-process engine core (so the patch reaches the worker): a wrong ``vec`` layout
+    turns blending off at start-up; a request with known chunks is then computed by vLLM
+    itself (no external tokens) and answers as plain vLLM does."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.config import KVTransferConfig
+
+    from cacheblend import Engine
+    from cacheblend.datasets import QA_PREAMBLE, load_qa
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setitem(paged.SOURCE_LAYOUTS, "vec", lambda cache, bs: paged.vec_writer(cache.flip(0), bs))
+    ex = load_qa("musique", "dev", limit=1, passages=3)[0]
+    engine = Engine.load(default_model_dir, store=f"disk:{tmp_path / 'kv'}")
+    handles = engine.ingest(ex.passages)
+    ids = engine.prompts.build(ex.query, [list(h.token_ids) for h in handles], None, QA_PREAMBLE).all_ids
+    spans = engine.prompts.build(ex.query, [list(h.token_ids) for h in handles], None, QA_PREAMBLE)
+    del engine
+    from cacheblend.chat import chunk_spans
+
+    llm = LLM(model=str(default_model_dir), dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+              max_model_len=4096, max_num_batched_tokens=4096, max_num_seqs=1, seed=0,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="CacheBlendConnector", kv_connector_module_path="cacheblend.integrations.vllm",
+                  kv_role="kv_both", kv_connector_extra_config={"store": f"disk:{tmp_path / 'kv'}"}))
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0, extra_args={"kv_transfer_params": {
+            "chunks": [list(s) for s in chunk_spans(spans)], "recompute_ratio": 0.15}})
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        plain = SamplingParams(max_tokens=4, temperature=0.0)
+        (ref,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], plain, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert out.num_cached_tokens == 0  # nothing was loaded from outside: vLLM computed the prompt
+    assert list(out.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
