@@ -159,7 +159,9 @@ class Client:
 
 def run_rate(mode: str, client: Client, requests: list[Request], rate: float, args: argparse.Namespace,
              rng: random.Random) -> tuple[Summary, list[Sample]]:
-    """Open-loop Poisson arrivals at ``rate`` per minute for ``args.duration`` seconds."""
+    """Open-loop Poisson arrivals at ``rate`` per minute for ``args.duration`` seconds,
+    taking requests from the front of ``requests`` (the caller drops those used, so no
+    prompt is sent twice: a repeat would be a whole-prompt hit for prefix caching)."""
     samples: list[Sample] = []
     threads: list[threading.Thread] = []
     stop = threading.Event()
@@ -170,7 +172,7 @@ def run_rate(mode: str, client: Client, requests: list[Request], rate: float, ar
         t0 = time.perf_counter()
         sample = Sample(sent_s=t0 - t_start)
         samples.append(sample)
-        req = requests[len(samples) % len(requests)]
+        req = requests[len(samples) - 1]
         th = threading.Thread(target=client.ask, args=(req, sample, t0, None, stop), daemon=True)
         th.start()
         threads.append(th)
@@ -227,9 +229,10 @@ def run_mode(mode: str, client: Client, pool: list[str], requests: list[Request]
     out["idle"] = idle(client, requests, args.idle)
     print(f"{mode}: idle TTFT p50 {out['idle']['ttft_p50_s']:.2f} s, p90 {out['idle']['ttft_p90_s']:.2f} s",
           flush=True)
-    rng = random.Random(args.seed)
+    rng, used = random.Random(args.seed), 0
     for rate in args.rates:
-        summary, samples = run_rate(mode, client, requests, rate, args, rng)
+        summary, samples = run_rate(mode, client, requests[used:-args.idle], rate, args, rng)
+        used += len(samples)
         out["rates"].append(asdict(summary))
         out["samples"][str(rate)] = [asdict(s) for s in samples]
         print(f"{mode} @ {rate:g}/min: " + ", ".join(f"{k} {v}" for k, v in asdict(summary).items()
