@@ -10,6 +10,8 @@ with the CacheBlend connector answers each prompt once per variant (``--variants
 request options sent in ``kv_transfer_params``), returning its fidelity receipt in the
 response marker.  The core runs the same variants against its full prefill.  Agreement is
 reported with a 95 % bootstrap interval; the connector's guard escalations from receipts.
+Each one-token request is also timed (its TTFT): the median of plain vLLM, of the
+connector and of the core engine per variant, and the connector's speed-up over plain vLLM.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -78,14 +81,17 @@ def main() -> None:
     examples = load_qa("musique", args.split, limit=args.limit, passages=args.chunks, data=args.data)
     engine = Engine.load(None, store=f"disk:{root / 'kv'}")
     prompts, core = [], {name: [] for name in VARIANTS}
+    core_ttft: dict[str, list[float]] = {"full": [], **{name: [] for name in VARIANTS}}
     for ex in examples:
         handles = engine.ingest(ex.passages)
         prompts.append(engine.prompts.build(ex.query, [list(h.token_ids) for h in handles], None,
                                             QA_PREAMBLE).all_ids)
         full = engine.generate(ex.query, handles, method="full", max_new_tokens=1, preamble=QA_PREAMBLE)
+        core_ttft["full"].append(full.ttft_s)
         for name, opts in VARIANTS.items():
             r = engine.generate(ex.query, handles, max_new_tokens=1, preamble=QA_PREAMBLE, **opts)
             core[name].append((float(r.token_ids[:1] == full.token_ids[:1]), r.stats.escalated))
+            core_ttft[name].append(r.ttft_s)
     register_passages(root / "passages.jsonl", [p for ex in examples for p in ex.passages])
     model = str(engine.model_dir)
     del engine
@@ -96,7 +102,9 @@ def main() -> None:
     shutdown(plain_llm)
     blend_llm = llm(model, kv_transfer_config(f"disk:{root / 'kv'}", passages=str(root / "passages.jsonl")))
     report: dict = {"command": "benchmarks/vllm_fidelity.py " + " ".join(os.sys.argv[1:]), "prompts": len(prompts),
-                    "variants": {}}
+                    "split": args.split, "variants": {},
+                    "ttft_median_s": {"vllm_full": statistics.median(p[2] for p in plain),
+                                      "core_full": statistics.median(core_ttft["full"])}}
     for name, opts in VARIANTS.items():
         got = first_tokens(blend_llm, prompts, opts)
         agree = [float(g[0] == p[0]) for g, p in zip(got, plain, strict=True)]
@@ -107,6 +115,8 @@ def main() -> None:
             "vllm_receipts": sum(1 for g in got if g[1] is not None),
             "core_agreement": bootstrap([a for a, _ in core[name]]).as_dict(),
             "core_escalated": sum(e for _, e in core[name]) / len(core[name]),
+            "vllm_ttft_median_s": statistics.median(g[2] for g in got),
+            "core_ttft_median_s": statistics.median(core_ttft[name]),
         }
     shutdown(blend_llm)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -117,6 +127,11 @@ def main() -> None:
         v, c = r["vllm_agreement"], r["core_agreement"]
         print(f"{name:<14}{v['mean']:.3f} [{v['low']:.3f}, {v['high']:.3f}]{'':<6}{r['vllm_escalated']:>9.0%}  "
               f"{c['mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}]{'':<6}{r['core_escalated']:>9.0%}")
+    t = report["ttft_median_s"]
+    print(f"median TTFT: plain vLLM {t['vllm_full']:.2f} s, core full prefill {t['core_full']:.2f} s")
+    for name, r in report["variants"].items():
+        print(f"{name:<14}connector {r['vllm_ttft_median_s']:.2f} s ({t['vllm_full'] / r['vllm_ttft_median_s']:.2f}x "
+              f"over plain vLLM); core engine {r['core_ttft_median_s']:.2f} s")
     print(f"written: {args.out}")
 
 
