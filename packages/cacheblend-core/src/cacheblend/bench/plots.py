@@ -11,6 +11,21 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _label(ax, xlabel: str, ylabel: str, title: str, legend_size: int) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def ttft_vs_chunks(records: list[dict], path: Path) -> Path | None:
     return _against_chunks(records, path, "ttft_median_s", "median TTFT (s)",
                            "Time to first token against number of chunks")
@@ -36,15 +51,8 @@ def _against_chunks(records: list[dict], path: Path, key: str, ylabel: str, titl
                          if r["variant"] == variant and r["dataset"] == dataset)
             label = variant if len({r["dataset"] for r in ours}) == 1 else f"{dataset} {variant}"
             ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=label)
-    ax.set_xlabel("chunks in the prompt")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    _label(ax, "chunks in the prompt", ylabel, title, legend_size=8)
+    return _save(fig, path)
 
 
 def ttft_vs_rate(summaries: list[dict], path: Path) -> Path | None:
@@ -60,16 +68,9 @@ def ttft_vs_rate(summaries: list[dict], path: Path) -> Path | None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colour, label=f"{mode} p90")
         ax.plot([p[0] for p in pts], [p[2] for p in pts], marker=".", color=colour, linestyle="--", alpha=0.6,
                 label=f"{mode} p50")
-    ax.set_xlabel("offered load (requests per minute)")
-    ax.set_ylabel("TTFT (s)")
     ax.set_yscale("log")
-    ax.set_title("Time to first token under load")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    _label(ax, "offered load (requests per minute)", "TTFT (s)", "Time to first token under load", legend_size=7)
+    return _save(fig, path)
 
 
 def quality_vs_ratio(records: list[dict], path: Path) -> Path | None:
@@ -94,10 +95,7 @@ def quality_vs_ratio(records: list[dict], path: Path) -> Path | None:
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def deviation_sparsity(profile: dict, path: Path) -> Path:
@@ -118,10 +116,7 @@ def deviation_sparsity(profile: dict, path: Path) -> Path:
     right.set_ylim(0, 1)
     right.set_title("HKVD tokens persist across layers (cf. paper Fig. 8)", fontsize=10)
     right.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def fidelity_frontier(records: list[dict], path: Path) -> Path | None:
@@ -149,7 +144,4 @@ def fidelity_frontier(records: list[dict], path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=6, loc="lower left")
     fig.suptitle("Fidelity to full prefill against speed (95 % bootstrap intervals)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

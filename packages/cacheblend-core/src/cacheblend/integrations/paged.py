@@ -153,12 +153,12 @@ class PagedKV:
 
 @dataclass
 class LayoutCheck:
-    """What :func:`self_check` found: ``ok`` means blended K/V may be written."""
+    """What :func:`self_check` found: ``ok`` means blended K/V may be written and vLLM's
+    own K/V read back (``PagedKV.layout`` is set)."""
 
     ok: bool
     backend: str
     reason: str
-    readable: bool = False  # ingest requests may read vLLM's own K/V back
 
 
 def backend_name(layer: Any) -> str:
@@ -202,4 +202,4 @@ def self_check(paged: PagedKV, probe_k: Tensor, probe_v: Tensor) -> LayoutCheck:
     if not (torch.equal(k, probe_k.to(dtype)) and torch.equal(v, probe_v.to(dtype))):
         paged.layout = None
         return LayoutCheck(False, name, "a reference chunk written through vLLM's op did not read back equal")
-    return LayoutCheck(True, name, "layout derived from vLLM's op, reference chunk read back equal", readable=True)
+    return LayoutCheck(True, name, "layout derived from vLLM's op, reference chunk read back equal")

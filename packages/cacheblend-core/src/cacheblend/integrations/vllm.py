@@ -338,8 +338,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
         if eng.store.open(key) is not None:  # already stored: skip reading the blocks
             self._record({"req_id": save.req_id, "op": "ingest", "key": key[:16], "stored": False})
             return
-        if self._paged is None or not self._layout.readable:
-            raise RuntimeError(f"reading vLLM's K/V is off: {self._layout.reason}")
+        if self._paged is None:
+            raise RuntimeError("no KV caches registered")
         k, v = self._paged.read(save.block_ids, save.sink, len(save.token_ids))
         cos, sin = eng.decoder.rope_tables(torch.arange(save.sink, len(save.token_ids)))
         k = apply_rope(k.float(), cos[None, None].float(), -sin[None, None].float()).to(eng.decoder.shape.dtype)
