@@ -128,3 +128,63 @@ def test_a_failed_self_check_makes_the_server_plain_vllm(monkeypatch, tmp_path, 
         llm.llm_engine.engine_core.shutdown()
     assert out.num_cached_tokens == 0  # nothing was loaded from outside: vLLM computed the prompt
     assert list(out.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
+
+
+@pytest.fixture(scope="module")
+def vllm_layers(default_model_dir):
+    """vLLM's real config, two real ``Attention`` layers and their backend's metadata
+    builder (which sets each layer's ISA), per cache dtype: what a worker registers."""
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    def make(dtype: torch.dtype, block: int):
+        cfg = VllmConfig(model_config=ModelConfig(model=str(default_model_dir), dtype=dtype),
+                         cache_config=CacheConfig(block_size=block))
+        with set_current_vllm_config(cfg):
+            layers = [Attention(9, HEAD_DIM, HEAD_DIM ** -0.5, num_kv_heads=HEADS, cache_config=cfg.cache_config,
+                                prefix=f"model.layers.{i}.self_attn.attn") for i in range(LAYERS)]
+            names = list(cfg.compilation_config.static_forward_context)
+            spec = FullAttentionSpec(block_size=block, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=dtype)
+            kvc = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+            layers[0].attn_backend.get_builder_cls()(spec, names, cfg, torch.device("cpu"))
+        caches = [torch.zeros(4, HEADS, block, 2 * HEAD_DIM, dtype=dtype) for _ in names]
+        return cfg, names, kvc, PagedKV(caches, layers, block)
+    return make
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllms_attention_reads_the_reference_chunk_back(vllm_layers, dtype):
+    """The self-check's last step runs the backend's own attention (metadata from its own
+    builder) on the reference chunk and compares with the core's float32 attention; when
+    the attention is pointed at a block the chunk was not written to (what a wrong layout
+    looks like to the reader), the check fails and reading is turned off."""
+    from vllm.config import set_current_vllm_config
+
+    from cacheblend.integrations.readback import attention_readback, verify
+
+    cfg, names, kvc, kv = vllm_layers(dtype, 32)
+    if dtype == torch.bfloat16 and kv.layers[0].isa != "amx":
+        pytest.skip(f"no AMX here (vLLM picks {kv.layers[0].isa!r})")
+    k, v = _probe(BLOCK - 7, seed=3)
+    with set_current_vllm_config(cfg):
+        check = verify(kv, names, cfg, kvc, 3 * k, v)
+        assert check.ok and "vLLM's attention read it back" in check.reason, check
+        assert kv.layout is not None
+        problem = attention_readback(kv, names, cfg, kvc, 3 * k, v, block=1)
+    assert problem is not None and "read the reference chunk back wrong at layer 0" in problem
+    assert all(not c.any() for c in kv.caches), "the scratch block is restored"
+
+
+def test_a_failed_readback_turns_reading_off(vllm_layers, monkeypatch):
+    from vllm.config import set_current_vllm_config
+
+    from cacheblend.integrations import readback
+
+    cfg, names, kvc, kv = vllm_layers(torch.float32, 32)
+    real = readback.attention_readback  # the attention is told to read block 1, the chunk is in block 0
+    monkeypatch.setattr(readback, "attention_readback", lambda *a, **kw: real(*a, block=1))
+    with set_current_vllm_config(cfg):
+        check = readback.verify(kv, names, cfg, kvc, *_probe(9))
+    assert not check.ok and "read the reference chunk back wrong" in check.reason, check
+    assert kv.layout is None

@@ -1,8 +1,6 @@
 """CacheBlend as a vLLM (0.32, V1) KV connector: blended chunk caches written into vLLM's blocks.
 
-Loaded by ``--kv-transfer-config`` (``cacheblend serve`` or
-:func:`.vllm_server.kv_transfer_config` writes it; examples in docs/vllm.md).
-How it works (user guide: docs/vllm.md; verified vLLM internals: docs/internals/):
+Loaded by ``--kv-transfer-config`` (``cacheblend serve`` writes it; user guide: docs/vllm.md).
 
 * vLLM runs the connector's two halves in different processes (scheduler side in
   EngineCore, worker side in VllmWorker), so they share state through files: chunk caches
@@ -30,8 +28,9 @@ one with HTTP 400 (:mod:`.vllm_http`), and here a request with a bad one runs as
 vLLM, with the reason in the log (the scheduler must never raise).  Run vLLM with
 ``enable_prefix_caching=False`` (blended blocks must not enter vLLM's prefix cache as if
 exact).  K/V are written through the attention backend's own cache-update op; at start-up
-the worker self-checks the layout (:mod:`.paged`) and, if it fails, tells the scheduler
-side, which then runs every request as plain vLLM.
+the worker self-checks the layout (:mod:`.paged`) and vLLM's attention reading a reference
+chunk back (:mod:`.readback`); if either fails, it tells the scheduler side, which then
+runs every request as plain vLLM.
 """
 
 from __future__ import annotations
@@ -62,7 +61,8 @@ from ..results import BlendStats
 from ..store import ChunkKV, tier_total
 from ..store.spec import split_spec
 from .kv_params import KVParams, fit_spans, parse_kv_params
-from .paged import LayoutCheck, PagedKV, paged_views, self_check
+from .paged import LayoutCheck, PagedKV, paged_views
+from .readback import verify
 from .registry import REDIS_PASSAGES_KEY, ChunkMatcher, read_passages, register_passages
 from .vllm_meta import BlendLoad, BlendReceipts, CacheBlendMeta, ChunkSave, LayoutReport, request_params
 
@@ -92,6 +92,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         self.model_dir: str = vllm_config.model_config.model
         self.dtype: torch.dtype = vllm_config.model_config.dtype
         self.num_layers: int = vllm_config.model_config.get_total_num_hidden_layers()
+        self.kv_cache_config = kv_cache_config  # its groups' specs build the self-check's attention metadata
         # scheduler side
         self._matcher: ChunkMatcher | None = None
         self._spans: dict[str, list[tuple[int, int]]] = {}  # req_id -> matched spans (a pure cache)
@@ -283,7 +284,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         eng = self.engine()
         probe = eng.chunks.precompute(eng.prompts.chunk_ids("CacheBlend layout self-check: a known chunk.")
                                       [: self.block_size - len(eng.chunks.sink)])
-        self._layout = self_check(self._paged, probe.k, probe.v)
+        self._layout = verify(self._paged, names, self._vllm_config, self.kv_cache_config, probe.k, probe.v)
         (log.info if self._layout.ok else log.warning)("CacheBlend KV layout self-check %s on %s: %s",
                                                        "passed" if self._layout.ok else "FAILED (blending is off)",
                                                        self._layout.backend, self._layout.reason)
