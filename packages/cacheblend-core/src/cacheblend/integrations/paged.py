@@ -22,7 +22,8 @@ null block), restored afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch import Tensor
 # (key [n, heads, head_dim], value [n, heads, head_dim], slot_mapping [n]) -> None
 WriteFn = Callable[[Tensor, Tensor, Tensor], None]
 _EXACT = 256  # largest index code every cache dtype we read (bf16 and wider) holds exactly
+SCRATCH_BLOCK = 0  # vLLM's null block: never handed to a request; the checks restore it
 
 
 def paged_views(cache: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
@@ -77,7 +79,7 @@ def derive_layout(write: WriteFn, cache: Tensor, block_size: int, heads: int, he
     if max(block_size, heads, head_dim) > _EXACT:
         return None
     grid = torch.meshgrid(torch.arange(block_size), torch.arange(heads), torch.arange(head_dim), indexing="ij")
-    block, saved = cache[0], cache[0].clone()
+    block, saved = cache[SCRATCH_BLOCK], cache[SCRATCH_BLOCK].clone()
     codes = []
     try:
         for axis in grid:
@@ -150,6 +152,17 @@ class PagedKV:
             vs.append(flat[row[:, None, None], self.layout.v[off]].transpose(0, 1))
         return torch.stack(ks), torch.stack(vs)
 
+    @contextmanager
+    def scratch(self) -> Iterator[int]:
+        """The scratch block's id, for a check to write into; every layer's block is
+        restored afterwards."""
+        saved = [c[SCRATCH_BLOCK].clone() for c in self.caches]
+        try:
+            yield SCRATCH_BLOCK
+        finally:
+            for cache, block in zip(self.caches, saved, strict=True):
+                cache[SCRATCH_BLOCK].copy_(block)
+
 
 @dataclass
 class LayoutCheck:
@@ -191,13 +204,9 @@ def self_check(paged: PagedKV, probe_k: Tensor, probe_v: Tensor) -> LayoutCheck:
             return LayoutCheck(False, name, f"vLLM's op does not store the {first.isa!r} layout this "
                                             "connector was written for")
     paged.layout = layout
-    saved = [c[0].clone() for c in paged.caches]
-    try:
-        paged.write([0], 0, probe_k, probe_v)
-        k, v = paged.read([0], 0, n)
-    finally:
-        for cache, block in zip(paged.caches, saved, strict=True):
-            cache[0].copy_(block)
+    with paged.scratch() as block:
+        paged.write([block], 0, probe_k, probe_v)
+        k, v = paged.read([block], 0, n)
     dtype = paged.caches[0].dtype
     if not (torch.equal(k, probe_k.to(dtype)) and torch.equal(v, probe_v.to(dtype))):
         paged.layout = None

@@ -22,22 +22,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .paged import LayoutCheck, PagedKV, self_check
+from ..blend.attention import positional_attention
+from .paged import SCRATCH_BLOCK, LayoutCheck, PagedKV, self_check
 
-SCRATCH_BLOCK = 0  # vLLM's null block: never handed to a request; restored afterwards
 # largest |vLLM - reference| / max|reference| accepted, by cache dtype (rounding of the
 # cache and of the kernel's accumulation; a misread block is off by order one)
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """Causal attention of ``q`` ``[n, heads, d]`` over ``k``, ``v`` ``[kv_heads, n, d]``
-    (grouped-query heads share a K/V head), in float32: ``[n, heads, d]``."""
-    group = q.shape[1] // k.shape[0]
-    qf = q.float().transpose(0, 1)  # [heads, n, d]
-    kf, vf = (x.float().repeat_interleave(group, dim=0) for x in (k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
-    return out.transpose(0, 1)
+    """The core's causal attention of ``q`` ``[n, heads, d]`` over ``k``, ``v`` ``[kv_heads,
+    n, d]``, in float32: ``[n, heads, d]``."""
+    n = q.shape[0]
+    return positional_attention(q.float().transpose(0, 1), k.float(), v.float(), torch.arange(n), scale).transpose(0, 1)
 
 
 def mismatch(out: Tensor, ref: Tensor) -> float:
@@ -70,29 +67,23 @@ def attention_readback(paged: PagedKV, names: list[str], vllm_config: Any, kv_ca
     n, cache = probe_k.shape[2], paged.caches[0]
     tol = TOLERANCE.get(cache.dtype, 5e-2)
     gen = torch.Generator().manual_seed(0)
-    saved = [c[SCRATCH_BLOCK].clone() for c in paged.caches]
-    try:
-        paged.write([SCRATCH_BLOCK], 0, probe_k, probe_v)
+    with paged.scratch() as scratch:
+        paged.write([scratch], 0, probe_k, probe_v)
         built: dict[int, Any] = {}
         for i, (name, layer) in enumerate(zip(names, paged.layers, strict=True)):
-            impl = layer.impl
-            spec = groups[name]
-            key = id(spec)
-            if key not in built:  # one metadata per KV cache group, built by the backend
+            impl, spec = layer.impl, groups[name]
+            if id(spec) not in built:  # one metadata per KV cache group, built by the backend
                 builder = layer.attn_backend.get_builder_cls()(spec, [name], vllm_config, cache.device)
-                built[key] = builder.build(0, one_request([block], n, paged.block_size, cache.device))
+                built[id(spec)] = builder.build(0, one_request([block], n, paged.block_size, cache.device))
             q = torch.randn(n, impl.num_heads, probe_k.shape[3], generator=gen).to(cache.dtype)
             out = torch.zeros_like(q)
             empty = torch.empty(n, impl.num_kv_heads, probe_k.shape[3], dtype=cache.dtype)
-            impl.forward(layer, q, empty, empty, paged.caches[i], built[key], out)
+            impl.forward(layer, q, empty, empty, paged.caches[i], built[id(spec)], out)
             ref = reference_attention(q, probe_k[i].to(cache.dtype), probe_v[i].to(cache.dtype), impl.scale)
             err = mismatch(out, ref)
             if not err <= tol:
                 return (f"vLLM's attention read the reference chunk back wrong at layer {i} "
                         f"({err:.2g} off, tolerance {tol:g})")
-    finally:
-        for c, s in zip(paged.caches, saved, strict=True):
-            c[SCRATCH_BLOCK].copy_(s)
     return None
 
 
