@@ -64,6 +64,34 @@ def test_unreachable_server_is_a_quick_miss():
     assert tier.unreachable == 1  # the second call did not even try: backing off
 
 
+def test_a_write_outlasts_a_server_busy_for_longer_than_the_read_timeout(tier):
+    """A chunk written while the server is busy (here held by CLIENT PAUSE WRITE for 1.5 s;
+    in CI, starved of CPU by the engine's own threads) still lands: writes wait for the
+    write timeout, not the request path's 0.5 s read timeout (a CI failure: a replica's
+    write-behind to Redis timed out, and the other replica found fewer chunks)."""
+    admin = redis.Redis.from_url(tier.url)
+    admin.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+    try:
+        t = time.monotonic()
+        assert tier.put(KEY, _kv())
+        assert time.monotonic() - t > 1.0  # it really waited for the pause
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+    assert tier.unreachable == 0 and torch.equal(tier.get(KEY).k, _kv().k)
+
+
+def test_a_read_from_a_stalled_server_is_still_a_quick_miss(redis_server):
+    tier = RedisStore(redis_server.url, prefix=f"t{time.monotonic_ns()}")
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("CLIENT", "PAUSE", 3000, "ALL")
+    try:
+        t = time.monotonic()
+        assert tier.open(KEY) is None
+        assert time.monotonic() - t < 1.5 and tier.unreachable == 1
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+
+
 def test_two_processes_share_chunks_through_redis(tmp_path, redis_server, default_model_dir):
     model = make_tiny_model(tmp_path / "m", "qwen3", default_model_dir)
     prefix = f"share{time.monotonic_ns()}"

@@ -50,14 +50,18 @@ def _last_load(root: Path, port: int) -> dict:
     return [r for r in map(json.loads, lines) if r["op"] == "load"][-1]
 
 
-def _wait_for_entries(url: str, count: int, timeout_s: float = 60.0) -> None:
+def _wait_for_entries(url: str, count: int, root: Path, timeout_s: float = 60.0) -> None:
     """The memory tier takes a chunk at once and Redis on a background writer (write-behind),
-    so a replica's reply can come back before its chunks are in Redis; wait for them."""
+    so a replica's reply can come back before its chunks are in Redis; wait for them.  On
+    failure, say what the replicas' Redis tiers logged (a timeout, a refusal)."""
     import redis
 
     r, deadline = redis.Redis.from_url(url), time.monotonic() + timeout_s
     while sum(1 for _ in r.scan_iter(match="*:meta")) < count:
-        assert time.monotonic() < deadline, f"fewer than {count} chunks reached Redis in {timeout_s:.0f} s"
+        if time.monotonic() > deadline:
+            said = [line for log in root.glob("vllm-*.log") for line in log.read_text(errors="replace").splitlines()
+                    if "redis tier" in line]
+            pytest.fail(f"fewer than {count} chunks reached Redis in {timeout_s:.0f} s; the tiers said: {said}")
         time.sleep(0.1)
 
 
@@ -104,7 +108,7 @@ def test_replicas_started_by_cacheblend_serve_share_chunks_and_stop_cleanly(tmp_
             model = client.models.list().data[0].id
             replies.append(client.chat.completions.create(
                 model=model, max_tokens=4, temperature=0.0, messages=[{"role": "user", "content": content}]))
-            _wait_for_entries(url, len(passages))  # A's write-behind to Redis lands before B asks
+            _wait_for_entries(url, len(passages), tmp_path)  # A's write-behind to Redis lands before B asks
         first, second = _last_load(tmp_path, ports[0]), _last_load(tmp_path, ports[1])
         assert first["chunks"] == second["chunks"] == len(passages)
         assert first["store_misses"] == len(passages)  # replica A computed the chunks and stored them in Redis ...

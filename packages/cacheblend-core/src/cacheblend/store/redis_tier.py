@@ -68,15 +68,25 @@ class RedisSource:
 
 
 class RedisStore:
-    """A tier on a Redis server given as ``redis://HOST:PORT/DB``."""
+    """A tier on a Redis server given as ``redis://HOST:PORT/DB``.
+
+    Reads sit on the request path, so they give up after ``timeout_s`` and the request
+    computes instead.  A write sends a whole chunk (tens of MB in float32) and usually runs
+    on the tiered store's background writer, while the engine's own threads hold the cores:
+    a server starved of CPU for half a second is then normal, not a failure, so writes
+    wait up to ``write_timeout_s`` before they give up (a dropped write is a chunk every
+    other replica has to compute again)."""
 
     def __init__(self, url: str, prefix: str = "cacheblend", ttl_s: int | None = None,
-                 timeout_s: float = 0.5, backoff_s: float = 5.0, signer: Signer | None = None) -> None:
+                 timeout_s: float = 0.5, backoff_s: float = 5.0, signer: Signer | None = None,
+                 write_timeout_s: float = 10.0) -> None:
         import redis
 
         self.url, self.prefix, self.ttl_s, self.backoff_s, self.signer = url, prefix, ttl_s, backoff_s, signer
         self.safe_url = redact(url)  # what logs and stats show: never the password
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._write_client = redis.Redis.from_url(url, socket_timeout=max(write_timeout_s, timeout_s),
+                                                  socket_connect_timeout=timeout_s)
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self._refusal = redis.exceptions.ResponseError
         self._down_until = 0.0
@@ -98,14 +108,15 @@ class RedisStore:
     def entry_name(self, key: str, part: int | str) -> str:
         return f"{self.prefix}:{key}:{part}"
 
-    def call(self, fn, refused=None):
+    def call(self, fn, refused=None, *, write: bool = False):
         """Run ``fn(client)``; a connection failure is a miss, and the tier rests a while.
         A command the server refuses (out of memory under ``noeviction``, a wrong type, a
-        bad DB index) is counted and logged and returns ``refused``: never an exception."""
+        bad DB index) is counted and logged and returns ``refused``: never an exception.
+        ``write=True`` runs it on the client with the longer write timeout."""
         if time.monotonic() < self._down_until:
             return None
         try:
-            return fn(self._client)
+            return fn(self._write_client if write else self._client)
         except self._errors as e:
             self._failed("unreachable", e, self.backoff_s)
             return None
@@ -166,7 +177,7 @@ class RedisStore:
             pipe.execute()
             return True
 
-        return self.call(write) is True
+        return self.call(write, write=True) is True
 
     def condemn(self, key: str) -> None:
         """Count and remove an entry that failed verification."""
