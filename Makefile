@@ -49,8 +49,8 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	bash scripts/ensure-redis.sh
 	bash scripts/ensure-chromium.sh
-	CACHEBLEND_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q tests
-	$(VLLM_VENV)/bin/python -m pytest -q -W ignore::pytest.PytestConfigWarning tests/vllm_connector
+	CACHEBLEND_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q --durations=25 tests
+	$(VLLM_VENV)/bin/python -m pytest -q --durations=10 -W ignore::pytest.PytestConfigWarning tests/vllm_connector
 
 # The main suite without vLLM and without the tests marked slow (the real default model,
 # the vLLM server, the wheels): a few minutes on 2 cores; `make test` stays the full suite.
@@ -103,4 +103,4 @@ vllm: $(VLLM_STAMP)
 .PHONY: test-vllm
 test-vllm: $(VLLM_STAMP)
 	bash scripts/ensure-redis.sh
-	$(VLLM_VENV)/bin/python -m pytest -q -W ignore::pytest.PytestConfigWarning tests/vllm_connector
+	$(VLLM_VENV)/bin/python -m pytest -q --durations=10 -W ignore::pytest.PytestConfigWarning tests/vllm_connector
