@@ -27,6 +27,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+# vLLM's default, "auto", reserves a core for its other processes: on 2 cores the model would
+# get one thread while the core engine here gets two, and every TTFT ratio would be skewed.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
 
 from cacheblend import Engine  # noqa: E402
 from cacheblend.bench.stats import bootstrap  # noqa: E402
