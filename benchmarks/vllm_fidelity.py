@@ -27,15 +27,15 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-# vLLM's default, "auto", reserves a core for its other processes: on 2 cores the model would
-# get one thread while the core engine here gets two, and every TTFT ratio would be skewed.
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+
+from cacheblend.integrations.vllm_server import all_cores_bind, kv_transfer_config  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", all_cores_bind())  # before vLLM starts its engine
 
 from cacheblend import Engine  # noqa: E402
 from cacheblend.bench.stats import bootstrap  # noqa: E402
 from cacheblend.datasets import QA_PREAMBLE, load_qa  # noqa: E402
 from cacheblend.integrations.vllm import register_passages  # noqa: E402
-from cacheblend.integrations.vllm_server import kv_transfer_config  # noqa: E402
 
 VARIANTS = {"blend@0.15": {"recompute_ratio": 0.15}, "blend@guard": {"recompute_ratio": "guard"}}
 

@@ -29,6 +29,13 @@ CONNECTOR_MODULE = "cacheblend.integrations.vllm"
 GUARD_MIDDLEWARE = "cacheblend.integrations.vllm_http.KVParamsGuard"
 
 
+def all_cores_bind() -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for every core of this machine.  vLLM's default,
+    ``auto``, reserves a core for its other processes: on 2 cores the model gets one thread,
+    and every comparison with the core engine (two threads) is skewed."""
+    return f"0-{max(0, (os.cpu_count() or 1) - 1)}"
+
+
 def kv_transfer_config(store: str, *, passages: str | None = None, stats: str | None = None,
                        **extra: Any) -> dict[str, Any]:
     """The ``--kv-transfer-config`` (or ``KVTransferConfig(**...)``) that loads the connector;
@@ -89,7 +96,7 @@ class VLLMServer:
         return cmd + list(self.args)
 
     def start(self, timeout: float = 600.0) -> VLLMServer:
-        env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, (os.cpu_count() or 1) - 1)}",
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": all_cores_bind(),
                "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, **self.env}
         log: Any = open(self.log_path, "ab") if self.log_path else (  # noqa: SIM115
             subprocess.DEVNULL if self.quiet else None)
