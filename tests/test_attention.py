@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cacheblend.blend.attention import positional_attention
+from cacheblend.blend.attention import positional_attention, split_key_attention
 
 
 def _reference(q, k, v, pos, scale, window=None):
@@ -53,3 +53,26 @@ def test_later_keys_do_not_leak_into_earlier_queries():
     after = positional_attention(q, k2, v2, pos, 0.3)
     torch.testing.assert_close(after[:, 0], before[:, 0])
     assert not torch.allclose(after[:, 2], before[:, 2])
+
+
+@pytest.mark.parametrize("n", [512, 513, 2049])
+def test_split_key_decode_attention_matches_the_reference_and_ignores_unwritten_slots(n):
+    """The decode step's split-key path reads the cache past the last key when ``n`` is
+    odd; whatever that unwritten slot holds (NaN here) must not reach the answer."""
+    torch.manual_seed(2)
+    capacity = n + 3
+    k, v = torch.randn(3, capacity, 16), torch.randn(3, capacity, 16)
+    k[:, n:], v[:, n:] = float("nan"), float("nan")
+    q = torch.randn(9, 1, 16)
+    assert split_key_attention.fits(torch.float32, n, capacity)
+    out = split_key_attention(q, k, v, n, 0.25)
+    torch.testing.assert_close(out, _reference(q, k[:, :n], v[:, :n], torch.tensor([n - 1]), 0.25),
+                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(k[:, :n].isnan().any(), torch.tensor(False))  # the keys are untouched
+
+
+def test_split_key_attention_stays_off_where_it_cannot_apply():
+    assert not split_key_attention.fits(torch.float32, 511, 4096)  # too few keys to pay
+    assert not split_key_attention.fits(torch.float32, 1001, 1001)  # no padding slot inside the cache
+    assert split_key_attention.fits(torch.float32, 1000, 1000)  # even: no padding needed
+    assert not split_key_attention.fits(torch.bfloat16, 1000, 4096)  # half precision keeps the float32 plan

@@ -120,3 +120,22 @@ def test_gradual_filtering_narrows(tiny_engine):
                              check_layers=(1, 2, 3), gradual=True, max_new_tokens=2)
     n_chunk = sum(h.num_tokens for h in handles)
     assert r.stats.recomputed_tokens == round(0.2 * n_chunk)
+
+
+def test_long_prompt_decode_matches_transformers_generate(tiny_engine):
+    """Past ``split_key_attention.MIN_KEYS`` keys a decode step attends over two halves of
+    the keys, merged by log-sum-exp, and reads the cache slot after the last key when the
+    count is odd: greedy tokens must stay transformers' own across odd and even lengths."""
+    from cacheblend.blend.attention import split_key_attention
+
+    text = " ".join(PASSAGES)
+    while len(tiny_engine.tokenizer(text)["input_ids"]) < split_key_attention.MIN_KEYS + 40:
+        text += " " + " ".join(PASSAGES)
+    handles = tiny_engine.ingest([text])
+    full = tiny_engine.generate(QUERY, handles, method="full", max_new_tokens=8)
+    ids = torch.tensor([_prompt_ids(tiny_engine, handles)])
+    assert split_key_attention.MIN_KEYS < ids.shape[1] < 1000
+    with torch.inference_mode():
+        ref = tiny_engine.decoder.hf_model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                                    pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert full.token_ids == ref[: len(full.token_ids)]

@@ -1,7 +1,9 @@
 """The short version of the load benchmark (benchmarks/load.py): a few requests at one
-rate against plain vLLM and vLLM with the CacheBlend connector, through a stock OpenAI
-client and through RemoteEngine; every request answers, the report and the plot are
-written, and blending answers first sooner than plain vLLM's full prefill."""
+rate against plain vLLM and vLLM with the CacheBlend connector through a stock OpenAI
+client; every request answers, the report and the plot are written, and blending answers
+first sooner than plain vLLM's full prefill.  The benchmark's ``cacheblend-remote`` mode
+is left to full runs: CI's minutes are dear, and RemoteEngine against the connector's
+server is what tests/test_remote.py covers."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def test_short_load_run_answers_every_request_and_blends_faster(tmp_path):
             pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm` builds the vLLM venv")
         pytest.skip("no vLLM venv (make vllm)")
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--modes", "plain,cacheblend-openai,cacheblend-remote",
+        [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--modes", "plain,cacheblend-openai",
          "--rates", "6", "--duration", "20", "--pool", "2", "--idle", "2", "--tokens", "4",
          "--vllm-python", str(VLLM_PYTHON), "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -32,12 +34,11 @@ def test_short_load_run_answers_every_request_and_blends_faster(tmp_path):
     report = json.loads((tmp_path / "load.json").read_text())
     assert (tmp_path / "ttft_vs_rate.png").stat().st_size > 0
     modes = {m["mode"]: m for m in report["modes"]}
-    assert list(modes) == ["plain", "cacheblend-openai", "cacheblend-remote"]
+    assert list(modes) == ["plain", "cacheblend-openai"]
     for m in modes.values():
         (rate,) = m["rates"]
         assert rate["sent"] >= 1 and rate["failed"] == 0 and rate["completed"] == rate["sent"], m
         assert m["idle"]["n"] == 2 and not m["idle"]["errors"], m["idle"]
     plain = modes["plain"]["idle"]["ttft_p50_s"]
-    for name in ("cacheblend-openai", "cacheblend-remote"):
-        assert modes[name]["idle"]["ttft_p50_s"] < plain, (name, modes[name]["idle"], plain)
+    assert modes["cacheblend-openai"]["idle"]["ttft_p50_s"] < plain, (modes["cacheblend-openai"]["idle"], plain)
     assert report["target"]["ttft_bound_s"] == pytest.approx(2 * modes["plain"]["idle"]["ttft_p90_s"], rel=1e-3)

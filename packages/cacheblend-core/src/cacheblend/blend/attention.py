@@ -19,6 +19,7 @@ SDPA expand K/V).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,54 @@ class AttentionPlan:
             out = _sdpa(qb, k[:, b.start : b.end].to(cd), v[:, b.start : b.end].to(cd), scale, attn_mask=b.mask)
             outs.append(out.view(kvh, g, rows, hd))
         return torch.cat(outs, dim=2).reshape(h, m, hd).to(q.dtype)
+
+
+class _SplitKeyAttention:
+    """Attention of one query (a decode step) over ``n`` cached keys, as two halves of the
+    keys in one kernel call, merged by their log-sum-exp.
+
+    Why: a decode step has one work item per KV head in the attention kernel (3 on
+    SmolLM2), so on 2 threads one core idles a third of the time.  Splitting the keys in two
+    gives 6 items.  The halves are views of the cache, never copies (a copy would double
+    the step's K/V traffic, which is what a memory-bound step cannot afford); when ``n`` is
+    odd the second half ends one slot past the last key, so that slot is zeroed (it is the
+    next token's slot, overwritten by the next step) and masked.  Exact up to float
+    rounding: the merge is the usual softmax-of-partial-sums identity.
+    """
+
+    MIN_KEYS = 512  # below this the kernel's fixed cost outweighs the idle core
+    # The CPU flash kernel is the one public-enough op that returns the log-sum-exp the merge
+    # needs (``F.scaled_dot_product_attention`` drops it); without it the plan runs instead.
+    _KERNEL: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)  # noqa: SLF001
+
+    def fits(self, dtype: torch.dtype, n: int, capacity: int) -> bool:
+        """Whether the split applies: float32 caches (half-precision attention runs through
+        the float32 plan) with enough keys and the padding slot inside the cache."""
+        return (self._KERNEL is not None and dtype == torch.float32 and n >= self.MIN_KEYS
+                and n + (n % 2) <= capacity)
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, n: int, scale: float) -> Tensor:
+        """``q`` [H, 1, hd]; ``k_cache``, ``v_cache`` [KVH, capacity, hd] holding keys 0..n-1.
+        Returns [H, 1, hd]."""
+        kvh, _, hd = k_cache.shape
+        h = q.shape[0]
+        half = (n + 1) // 2
+        mask = None
+        if n % 2:
+            k_cache[:, n].zero_()
+            v_cache[:, n].zero_()
+            mask = torch.zeros(2, 1, 1, half, dtype=q.dtype, device=q.device)
+            mask[1, :, :, -1] = float("-inf")
+        # [2, KVH, half, hd] views: half 0 is keys [0, half), half 1 is keys [half, 2 half).
+        k2 = k_cache[:, : 2 * half].view(kvh, 2, half, hd).transpose(0, 1)
+        v2 = v_cache[:, : 2 * half].view(kvh, 2, half, hd).transpose(0, 1)
+        q2 = q.reshape(kvh, h // kvh, hd).expand(2, kvh, h // kvh, hd)
+        out, lse = self._KERNEL(q2, k2, v2, attn_mask=mask, scale=scale)
+        weights = torch.softmax(lse, dim=0).unsqueeze(-1)  # [2, KVH, groups, 1]
+        return (out * weights).sum(0).reshape(h, 1, hd)
+
+
+split_key_attention = _SplitKeyAttention()
 
 
 def positional_attention(

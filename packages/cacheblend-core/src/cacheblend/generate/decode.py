@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..blend.attention import AttentionPlans
+from ..blend.attention import AttentionPlans, split_key_attention
 from ..models.decoder import Decoder, ModelShape
 
 
@@ -37,12 +37,17 @@ def decode_step(dec: Decoder, kv: KVCache, token_id: int) -> Tensor:
     cos, sin = dec.rope_tables(positions)
     h = dec.embed(torch.tensor([token_id], device=device))
     plans = AttentionPlans(positions, dec.shape.dtype, dec.shape.groups)
+    split = split_key_attention.fits(kv.k.dtype, pos + 1, kv.capacity)
     for layer in range(dec.shape.num_layers):
         q, k, v = dec.qkv(layer, h)
         kv.k[layer, :, pos : pos + 1] = dec.rope(k, cos, sin)
         kv.v[layer, :, pos : pos + 1] = v
-        plan = plans[dec.shape.windows[layer]]
-        out = plan(dec.rope(q, cos, sin), kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
+        window = dec.shape.windows[layer]
+        if split and (window is None or window > pos):
+            out = split_key_attention(dec.rope(q, cos, sin), kv.k[layer], kv.v[layer], pos + 1, dec.scaling)
+        else:
+            out = plans[window](dec.rope(q, cos, sin), kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1],
+                                dec.scaling)
         h = dec.finish(layer, h, out)
     kv.length = pos + 1
     return dec.logits(h)[0]
