@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cacheblend.blend.attention import split_key_attention
 from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
 from cacheblend.blend.selection import BlendConfig
 from cacheblend.models.decoder import apply_rope
@@ -126,8 +127,6 @@ def test_long_prompt_decode_matches_transformers_generate(tiny_engine):
     """Past ``split_key_attention.MIN_KEYS`` keys a decode step attends over two halves of
     the keys, merged by log-sum-exp, and reads the cache slot after the last key when the
     count is odd: greedy tokens must stay transformers' own across odd and even lengths."""
-    from cacheblend.blend.attention import split_key_attention
-
     text = " ".join(PASSAGES)
     while len(tiny_engine.tokenizer(text)["input_ids"]) < split_key_attention.MIN_KEYS + 40:
         text += " " + " ".join(PASSAGES)
