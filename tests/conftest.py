@@ -57,7 +57,7 @@ def default_engine(default_model_dir):
     return Engine.load(default_model_dir, store="memory")
 
 
-def make_tiny_model(folder, family: str, tokenizer_dir, dtype=torch.float32):
+def make_tiny_model(folder, family: str, tokenizer_dir, dtype=torch.float32, tie: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     spec = dict(TINY_CONFIGS[family])
@@ -77,7 +77,7 @@ def make_tiny_model(folder, family: str, tokenizer_dir, dtype=torch.float32):
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         initializer_range=0.2,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
         **spec,
     )
     torch.manual_seed(0)

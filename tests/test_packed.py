@@ -1,0 +1,71 @@
+"""Packed projection weights (``models/packed.py``): fused, stored ``[in, out]`` for fast
+one-row products.  Packing must change no numbers beyond float reordering, keep the HF
+model working on the same weights, keep a tied head tied, and cost no memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheblend.models.decoder import Decoder
+from cacheblend.models.loader import load_model
+from conftest import PASSAGES, QUERY, make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+def _storage_bytes(model) -> int:
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(storages.values())
+
+
+@pytest.fixture(scope="module", params=[("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True)],
+                ids=lambda p: f"{p[0]}-{'tied' if p[1] else 'untied'}")
+def pair(request, tmp_path_factory, default_model_dir):
+    """The same tiny model loaded twice: one decoder packs, one runs transformers' modules."""
+    family, tie = request.param
+    folder = make_tiny_model(tmp_path_factory.mktemp(family), family, default_model_dir, tie=tie)
+    return load_model(folder), load_model(folder), tie
+
+
+def _ids(loaded):
+    text = "\n".join(PASSAGES) + "\n" + QUERY
+    return torch.tensor([loaded.tokenizer(text)["input_ids"][:200]])
+
+
+def test_packing_keeps_the_hf_model_and_its_memory(pair):
+    packed_model, plain_model, tie = pair
+    ids = _ids(packed_model)
+    with torch.inference_mode():
+        before = packed_model.model(ids).logits
+    bytes_before = _storage_bytes(packed_model.model)
+    dec = Decoder(packed_model.model, pack=True)
+    assert dec.packed is not None and dec.packed.head is not None
+    assert _storage_bytes(packed_model.model) == bytes_before  # the packed tensors replace the originals
+    head, embed = packed_model.model.lm_head, packed_model.model.model.embed_tokens
+    assert (head.weight is embed.weight) == tie
+    with torch.inference_mode():
+        torch.testing.assert_close(packed_model.model(ids).logits, before, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(embed(ids[0]), plain_model.model.model.embed_tokens(ids[0]), atol=0, rtol=0)
+
+
+def test_packed_decoder_matches_the_module_decoder(pair):
+    """Layer by layer and through the head, on a prompt and on one row (a decode step)."""
+    packed_model, plain_model, _ = pair
+    packed = Decoder(packed_model.model, pack=True)
+    plain = Decoder(plain_model.model, pack=False)
+    assert packed.packed is not None and plain.packed is None
+    ids = _ids(packed_model)[0]
+    with torch.inference_mode():
+        for rows in (ids, ids[-1:]):
+            h1, h2 = packed.embed(rows), plain.embed(rows)
+            for layer in range(packed.shape.num_layers):
+                q1, k1, v1 = packed.qkv(layer, h1)
+                q2, k2, v2 = plain.qkv(layer, h2)
+                x = packed.attn_input(layer, h1)
+                for a, b in ((q1, q2), (k1, k2), (v1, v2), (packed.queries(layer, x), q2),
+                             (packed.keys_values(layer, x)[0], k2), (packed.keys_values(layer, x)[1], v2)):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+                h1, h2 = packed.finish(layer, h1, q1), plain.finish(layer, h2, q2)  # q as a stand-in for attention
+                torch.testing.assert_close(h1, h2, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(packed.logits(h1), plain.logits(h2), atol=1e-4, rtol=1e-4)
