@@ -69,3 +69,16 @@ def test_packed_decoder_matches_the_module_decoder(pair):
                 h1, h2 = packed.finish(layer, h1, q1), plain.finish(layer, h2, q2)  # q as a stand-in for attention
                 torch.testing.assert_close(h1, h2, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(packed.logits(h1), plain.logits(h2), atol=1e-4, rtol=1e-4)
+
+
+def test_pack_weights_is_an_engine_setting(tmp_path, default_model_dir):
+    """Off (the vLLM connector's worker, whose weights must stay views of the mapped file),
+    the decoder runs transformers' modules; a non-bool is refused by name."""
+    from cacheblend import Engine
+    from cacheblend.errors import CacheBlendError
+
+    folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    assert Engine.load(folder, store="memory", pack_weights=False).decoder.packed is None
+    assert Engine.load(folder, store="memory").decoder.packed is not None
+    with pytest.raises(CacheBlendError, match="pack_weights must be True or False"):
+        Engine.load(folder, store="memory", pack_weights="no")

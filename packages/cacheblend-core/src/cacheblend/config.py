@@ -273,7 +273,11 @@ class EngineConfig:
     or ``"float16"`` halve the store's bytes of a float32 model (exact prefix caches keep
     the model's dtype); ``compile``: run the layers' elementwise parts (RMSNorm, RoPE, the
     gated MLP and residuals) through ``torch.compile`` — faster prefill, a one-time compile
-    (cached on disk), eager where compiling fails."""
+    (cached on disk), eager where compiling fails; ``pack_weights``: re-lay the projection
+    weights for one-row products (``models/packed.py``: a sixth faster decode, prefill no
+    slower, same memory) — off where the weights must stay views of the memory-mapped
+    safetensors file (the vLLM connector's worker, which shares those pages with other
+    processes)."""
 
     device: str = "cpu"
     dtype: str | None = None
@@ -282,10 +286,12 @@ class EngineConfig:
     learn_min_chars: int = 200
     kv_dtype: str | None = None
     compile: bool = False
+    pack_weights: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.compile, bool):
-            raise CacheBlendError(f"compile must be True or False, got {self.compile!r}")
+        for name in ("compile", "pack_weights", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise CacheBlendError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.chunk_sink not in CHUNK_SINKS:
             raise CacheBlendError(f"chunk_sink must be one of {CHUNK_SINKS}, got {self.chunk_sink!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:

@@ -55,7 +55,7 @@ class Engine(Answering):
         self.model_name = loaded.name
         self.fingerprint: str = loaded.fingerprint
         self.tokenizer = loaded.tokenizer
-        self.decoder = Decoder(loaded.model, compile=self.config.compile)
+        self.decoder = Decoder(loaded.model, compile=self.config.compile, pack=self.config.pack_weights)
         self.device = torch.device(self.config.device)
         self.controller = LoadingController()
         self.prompts = PromptBuilder(self.tokenizer)
