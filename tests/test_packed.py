@@ -82,3 +82,22 @@ def test_pack_weights_is_an_engine_setting(tmp_path, default_model_dir):
     assert Engine.load(folder, store="memory").decoder.packed is not None
     with pytest.raises(CacheBlendError, match="pack_weights must be True or False"):
         Engine.load(folder, store="memory", pack_weights="no")
+
+
+def test_packing_lets_go_of_the_loaders_memory_map(tmp_path, default_model_dir):
+    """transformers maps the safetensors file and its weights are views of the map; after
+    packing nothing may still point into it, or the pages packing read stay resident too
+    (the process would hold the weights twice).  A bug fixed: norms kept the map alive."""
+    import gc
+
+    folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir, tie=True)
+    loaded = load_model(folder)
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as maps:
+            return any(str(folder) in line for line in maps)
+
+    assert mapped(), "expected transformers to memory-map the weights file"
+    Decoder(loaded.model, pack=True)
+    gc.collect()
+    assert not mapped()
