@@ -27,31 +27,42 @@ from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
 from cacheblend.config import BlendConfig
 from cacheblend.datasets import QA_PREAMBLE, load_qa
 from cacheblend.generate.decode import decode_step
+from cacheblend.models.decoder import Decoder
 
 SPLIT_ON = split_key_attention.MIN_KEYS
 SPLIT_OFF = 1 << 62
 
 
-def decode(engine: Engine, kv: KVCache, n: int, first: int, steps: int, min_keys: int) -> tuple[float, list[int]]:
+def greedy_decode(dec: Decoder, kv: KVCache, n: int, first: int, steps: int) -> tuple[float, list[int]]:
     """Rewind ``kv`` to the prompt's ``n`` tokens and decode ``steps`` greedy tokens; ms/token."""
-    split_key_attention.MIN_KEYS = min_keys
     kv.length, token, tokens = n, first, []
     t = time.perf_counter()
     for _ in range(steps):
-        token = int(decode_step(engine.decoder, kv, token).argmax())
+        token = int(decode_step(dec, kv, token).argmax())
         tokens.append(token)
     return (time.perf_counter() - t) * 1000 / steps, tokens
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def decode(engine: Engine, kv: KVCache, n: int, first: int, steps: int, min_keys: int) -> tuple[float, list[int]]:
+    """:func:`greedy_decode` with the split applied from ``min_keys`` keys."""
+    split_key_attention.MIN_KEYS = min_keys
+    return greedy_decode(engine.decoder, kv, n, first, steps)
+
+
+def decode_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every decode benchmark here takes."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--limit", type=int, default=3, help="musique dev prompts")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--data", default=None, help="data folder (default: $CACHEBLEND_DATA)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None, help="JSON output")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = decode_arguments(__doc__.split("\n")[0]).parse_args()
     engine = Engine.load(args.model, store="memory")
     times: dict[str, list[float]] = {"split keys": [], "one call": []}
     same = True

@@ -13,7 +13,6 @@ medians, the ratio, and whether both chose the same tokens.  Issue 15, deliverab
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,24 +21,14 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from decode_attention import decode_arguments, greedy_decode  # a sibling script
 
 from cacheblend import Engine
 from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
 from cacheblend.config import BlendConfig
 from cacheblend.datasets import QA_PREAMBLE, load_qa
-from cacheblend.generate.decode import decode_step
 from cacheblend.models.decoder import Decoder
 from cacheblend.models.loader import load_model
-
-
-def decode(dec: Decoder, kv: KVCache, n: int, first: int, steps: int) -> tuple[float, list[int]]:
-    """Rewind ``kv`` to the prompt's ``n`` tokens and decode ``steps`` greedy tokens; ms/token."""
-    kv.length, token, tokens = n, first, []
-    t = time.perf_counter()
-    for _ in range(steps):
-        token = int(decode_step(dec, kv, token).argmax())
-        tokens.append(token)
-    return (time.perf_counter() - t) * 1000 / steps, tokens
 
 
 def prefill(dec: Decoder, ids: list[int], capacity: int) -> tuple[float, KVCache, int]:
@@ -50,14 +39,7 @@ def prefill(dec: Decoder, ids: list[int], capacity: int) -> tuple[float, KVCache
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--limit", type=int, default=3, help="musique dev prompts")
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--data", default=None, help="data folder (default: $CACHEBLEND_DATA)")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--out", default=None, help="JSON output")
-    args = ap.parse_args()
+    args = decode_arguments(__doc__.split("\n")[0]).parse_args()
     engine = Engine.load(args.model, store="memory")  # its decoder packs (the default)
     decoders = {"packed": engine.decoder, "modules": Decoder(load_model(args.model).model, pack=False)}
     assert engine.decoder.packed is not None, "this model's layers cannot be packed"
@@ -76,11 +58,11 @@ def main() -> None:
                 prefill_s[name].append(seconds)
             same &= firsts["packed"] == firsts["modules"]
             for dec in decoders.values():  # warm up
-                decode(dec, kv, len(ids), firsts["modules"], 4)
+                greedy_decode(dec, kv, len(ids), firsts["modules"], 4)
             for _ in range(args.rounds):
                 tokens = {}
                 for name in order:
-                    ms, tokens[name] = decode(decoders[name], kv, len(ids), firsts["modules"], args.steps)
+                    ms, tokens[name] = greedy_decode(decoders[name], kv, len(ids), firsts["modules"], args.steps)
                     decode_ms[name].append(ms)
                 same &= tokens["packed"] == tokens["modules"]
         print(f"{len(ids)} tokens: prefill packed {prefill_s['packed'][-1]:.2f} s, modules "

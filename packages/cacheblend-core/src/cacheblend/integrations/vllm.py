@@ -267,14 +267,12 @@ class CacheBlendConnector(KVConnectorBase_V1):
 
     # ---- worker side ---------------------------------------------------------------
     def engine(self) -> Engine:
-        """The core engine on vLLM's own weights folder and dtype, made once per worker.
-        Its weights stay views of the memory-mapped safetensors file (``pack_weights=False``):
-        file-backed pages, shared with every process that maps the same file."""
+        """The core engine on vLLM's own weights folder and dtype, made once per worker; its
+        weights stay shared pages of the mapped safetensors file (``pack_weights=False``)."""
         if self._engine is None:
             t = time.perf_counter()
-            self._engine = Engine.load(self.model_dir, store=self.config.store, dtype=self.dtype,
-                                       chunk_sink=self.config.chunk_sink, kv_dtype=self.config.kv_dtype,
-                                       pack_weights=False)
+            self._engine = Engine.load(self.model_dir, store=self.config.store, dtype=self.dtype, pack_weights=False,
+                                       chunk_sink=self.config.chunk_sink, kv_dtype=self.config.kv_dtype)
             log.info("CacheBlend engine loaded in %.1f s (store %s)", time.perf_counter() - t, self.config.store)
         return self._engine
 

@@ -86,6 +86,7 @@ class Decoder:
         )
         self.scaling: float = float(getattr(attn0, "scaling", head_dim**-0.5))
         self.has_qk_norm = hasattr(attn0, "q_norm")
+        self._q_width = self.shape.num_heads * head_dim  # queries' columns in a packed q/k/v
         plain = getattr(cfg, "hidden_act", None) in ("silu", "swish") and _plain_layers(self.layers)
         self.packed: PackedWeights | None = PackedWeights.pack(hf_model) if pack and plain else None
         self.kernels = Kernels(compile and self.packed is not None)
@@ -115,28 +116,41 @@ class Decoder:
     def queries(self, layer: int, x: Tensor) -> Tensor:
         """Queries [H, n, hd] (before RoPE) of normalized hidden states ``x`` [n, d]."""
         attn = self.layers[layer].self_attn
-        if self.packed is not None:
-            q = self._project(layer, x, 0, self.shape.num_heads * self.shape.head_dim)
-        else:
-            q = attn.q_proj(x)
-        q = q.view(x.shape[0], self.shape.num_heads, self.shape.head_dim)
-        if self.has_qk_norm:
-            q = attn.q_norm(q)
-        return q.transpose(0, 1)
+        q = attn.q_proj(x) if self.packed is None else self._project(layer, x, 0, self._q_width)
+        return self._q_heads(attn, q)
 
     def keys_values(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (before RoPE) and values, each [KVH, n, hd]."""
         attn = self.layers[layer].self_attn
-        n, s = x.shape[0], self.shape
-        if self.packed is not None:
-            kv = self._project(layer, x, s.num_heads * s.head_dim, None)
-            k, v = kv.view(n, 2, s.num_kv_heads, s.head_dim).unbind(1)
-        else:
-            k = attn.k_proj(x).view(n, s.num_kv_heads, s.head_dim)
-            v = attn.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
-        return self._heads(attn, k, v)
+        if self.packed is None:
+            return self._kv_heads(attn, attn.k_proj(x), attn.v_proj(x))
+        k, v = self._project(layer, x, self._q_width, None).chunk(2, dim=-1)
+        return self._kv_heads(attn, k, v)
 
-    def _heads(self, attn: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Query, key (pre-RoPE) and value of hidden states ``h`` [n, d] at ``layer`` (one
+        product when the weights are packed: a decode step's three become one)."""
+        x = self.attn_input(layer, h)
+        if self.packed is None:
+            return (self.queries(layer, x), *self.keys_values(layer, x))
+        attn = self.layers[layer].self_attn
+        kv_width = self.shape.num_kv_heads * self.shape.head_dim
+        q, k, v = self._project(layer, x, 0, None).split([self._q_width, kv_width, kv_width], dim=-1)
+        return (self._q_heads(attn, q), *self._kv_heads(attn, k, v))
+
+    # -- the projections' outputs as heads -------------------------------------------
+    def _q_heads(self, attn: Any, q: Tensor) -> Tensor:
+        """[n, H·hd] -> [H, n, hd], through the per-head norm where the family has one."""
+        q = q.view(q.shape[0], self.shape.num_heads, self.shape.head_dim)
+        if self.has_qk_norm:
+            q = attn.q_norm(q)
+        return q.transpose(0, 1)
+
+    def _kv_heads(self, attn: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """[n, KVH·hd] each -> [KVH, n, hd] each (keys through the per-head norm, if any)."""
+        n, s = k.shape[0], self.shape
+        k = k.view(n, s.num_kv_heads, s.head_dim)
+        v = v.view(n, s.num_kv_heads, s.head_dim)
         if self.has_qk_norm:
             k = attn.k_norm(k)
         return k.transpose(0, 1), v.transpose(0, 1)
@@ -149,22 +163,6 @@ class Decoder:
         if p.qkv_bias is None:
             return x @ w
         return torch.addmm(p.qkv_bias[start:end], x, w)
-
-    def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Query, key (pre-RoPE) and value of hidden states ``h`` [n, d] at ``layer`` (one
-        product when the weights are packed: a decode step's three become one)."""
-        x = self.attn_input(layer, h)
-        if self.packed is None:
-            return (self.queries(layer, x), *self.keys_values(layer, x))
-        n, s = x.shape[0], self.shape
-        q_width = s.num_heads * s.head_dim
-        qkv = self._project(layer, x, 0, None)
-        q = qkv[:, :q_width].view(n, s.num_heads, s.head_dim)
-        attn = self.layers[layer].self_attn
-        if self.has_qk_norm:
-            q = attn.q_norm(q)
-        k, v = qkv[:, q_width:].view(n, 2, s.num_kv_heads, s.head_dim).unbind(1)
-        return (q.transpose(0, 1), *self._heads(attn, k, v))
 
     def finish(self, layer: int, h: Tensor, attn_out: Tensor) -> Tensor:
         """Output projection, residuals and MLP. ``attn_out`` is [H, n, hd]."""
