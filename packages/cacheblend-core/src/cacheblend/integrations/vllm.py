@@ -267,8 +267,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
 
     # ---- worker side ---------------------------------------------------------------
     def engine(self) -> Engine:
-        """The core engine on vLLM's own weights folder and dtype, made once per worker; its
-        weights stay shared pages of the mapped safetensors file (``pack_weights=False``)."""
+        """The core engine on vLLM's weights folder and dtype, once per worker; unpacked, so shared file pages."""
         if self._engine is None:
             t = time.perf_counter()
             self._engine = Engine.load(self.model_dir, store=self.config.store, dtype=self.dtype, pack_weights=False,
