@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from cacheblend.bench.command import BASELINE
 from cacheblend.bench.deviation import sparsity_profile
 from cacheblend.bench.metrics import output_f1, quality
 from cacheblend.bench.stats import spearman
@@ -167,6 +168,19 @@ def test_fidelity_study_reports_intervals_and_paired_differences(tiny_folder, tm
     assert len(report["samples"]) == 4 * 5  # prompts x (full + 4 variants)
     assert (tmp_path / "plots" / "fidelity_frontier.png").stat().st_size > 10_000
     assert "paired differences" in capsys.readouterr().out
+
+
+def test_fidelity_study_skips_to_fresh_prompts(tiny_folder, tmp_path):
+    """--skip N starts after the first N examples of each data set (a confirmation run on
+    prompts the exploration did not see); samples keep the examples' own indices."""
+    out = tmp_path / "study.json"
+    rc = app(["bench", "--model", str(tiny_folder), "--fidelity-only", "--dataset", "hotpotqa", "--skip", "3",
+              "--limit", "2", "--chunks", "2", "--max-new-tokens", "2", "--variants", "blend@0.2:selection=probe",
+              "--json", str(out), "--plots", ""])
+    assert rc == 0
+    samples = json.loads(out.read_text())["samples"]
+    assert sorted({s["example"] for s in samples}) == [3, 4]
+    assert {s["variant"] for s in samples} == {"full", "blend@0.2:selection=probe", BASELINE}
 
 
 def test_fidelity_study_rejects_bad_variants(tiny_folder):

@@ -10,15 +10,18 @@ import torch
 
 from cacheblend.bench.fidelity import parse_spec
 from cacheblend.bench.stats import bootstrap, paired, spearman
-from cacheblend.blend.fusor import first_token_risk
+from cacheblend.blend.fusor import KVCache, Segment, first_token_risk, fused_prefill
+from cacheblend.blend.probe import ROWS, QuestionProbe
 from cacheblend.blend.selection import BlendConfig, Candidates, choose, priority, query_attention
 from cacheblend.config import GUARD_MAX_RISK, RequestOptions
 from cacheblend.errors import CacheBlendError
+from cacheblend.store.entry import ChunkKV
 from conftest import PASSAGES, QUERY
 
 GEN = dict(max_new_tokens=8)
 MODES = [dict(selection="deviation"), dict(selection="attention"), dict(selection="impact"),
-         dict(selection="impact", chunk_heads=3), dict(selection="deviation", chunk_budget="attention")]
+         dict(selection="impact", chunk_heads=3), dict(selection="deviation", chunk_budget="attention"),
+         dict(selection="probe")]
 
 
 def _cands(dev, att, chunk, offset) -> Candidates:
@@ -159,3 +162,95 @@ def test_bootstrap_paired_and_spearman():
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)  # ties share ranks
     assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+
+
+def test_question_probe_sums_each_layers_normalised_attention():
+    torch.manual_seed(1)
+    h, kvh, n, hd = 4, 2, 12, 8
+    candidate = torch.zeros(n, dtype=torch.bool)
+    candidate[2:9] = True
+    question = torch.tensor([10, 11])
+    rows = torch.tensor([0, 1, 9, 10, 11])  # the computed rows: a frame, a gap, the question
+    probe = QuestionProbe(question, candidate, 0.3)
+    want = torch.zeros(7)
+    for layer in range(3):
+        q, k = torch.randn(h, rows.numel(), hd), torch.randn(kvh, n, hd)
+        probe(layer, rows, q, k)
+        att = query_attention(q[:, 3:], question, k, 0.3)[2:9]
+        want += att / att.sum()
+    torch.testing.assert_close(probe.score, want)
+    assert float(probe.score.sum()) == pytest.approx(3.0)  # one vote per layer
+
+
+def _split_at(segments_of_chunk, chosen):
+    """A chunk's cache split into runs: chosen tokens uncached (computed at every layer,
+    as the probe's second pass does), the rest reused as they are."""
+    ids, cache, start = segments_of_chunk
+    out, i, n = [], 0, len(ids)
+    while i < n:
+        j = i
+        while j < n and bool(chosen[start + j]) == bool(chosen[start + i]):
+            j += 1
+        if chosen[start + i]:
+            out.append(Segment(ids[i:j]))
+        else:
+            out.append(Segment(ids[i:j], ChunkKV(cache.k[:, :, i:j].clone(), cache.v[:, :, i:j].clone())))
+        i = j
+    return out
+
+
+def test_probe_recomputes_the_questions_top_tokens_from_layer_zero(default_engine):
+    """The probe's choice is the top share of the question's attention in full reuse, summed
+    over layers; the blend that follows equals full reuse with exactly those tokens computed
+    at every layer (an independent construction: the chosen runs as uncached segments)."""
+    eng, dec = default_engine, default_engine.decoder
+    handles = eng.ingest(PASSAGES)
+    prompt = eng.prompts.build(QUERY, [list(h.token_ids) for h in handles], None)
+    caches = [eng.store.get(h.key) for h in handles]
+    segs = [Segment(prompt.prefix)] + [Segment(h.token_ids, c) for h, c in zip(handles, caches, strict=True)]
+    segs.append(Segment(prompt.suffix))
+    n = len(prompt.all_ids)
+    q_start = n - len(prompt.suffix)
+    n_cand = sum(h.num_tokens for h in handles)
+    score = torch.zeros(n)
+
+    def listen(layer, rows, q, keys):  # the attention of the question's last ROWS tokens, by hand
+        mine = rows >= n - ROWS
+        logits = torch.einsum("hmd,hnd->hmn", q[:, mine], keys.repeat_interleave(q.shape[0] // keys.shape[0], 0))
+        pos = rows[mine]
+        logits = logits * dec.scaling + torch.where(torch.arange(n)[None] > pos[:, None], float("-inf"), 0.0)
+        att = torch.softmax(logits, -1).mean(dim=(0, 1))[len(prompt.prefix):q_start]
+        score[len(prompt.prefix):q_start] += att / att.sum()
+
+    with torch.inference_mode():
+        fused_prefill(dec, segs, KVCache(dec.shape, n, "cpu"), BlendConfig(recompute_ratio=0.0), attend=listen)
+        keep = round(0.2 * n_cand)
+        want = (torch.topk(score, keep).indices.sort().values)
+        got = fused_prefill(dec, segs, KVCache(dec.shape, n, "cpu"),
+                            BlendConfig(recompute_ratio=0.2, selection="probe"))
+        assert got.hkvd_positions.tolist() == want.tolist()
+        chosen = torch.zeros(n, dtype=torch.bool)
+        chosen[want] = True
+        split, start = [Segment(prompt.prefix)], len(prompt.prefix)
+        for h, c in zip(handles, caches, strict=True):
+            split += _split_at((list(h.token_ids), c, start), chosen)
+            start += h.num_tokens
+        split.append(Segment(prompt.suffix))
+        ref = fused_prefill(dec, split, KVCache(dec.shape, n, "cpu"), BlendConfig(recompute_ratio=0.0))
+    torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
+    assert got.recomputed_tokens == keep and not got.exact
+
+
+def test_a_shared_probe_budget_fills_the_rest_by_deviation(default_engine):
+    """probe_share=0.5: half the budget is the probe's top tokens, the rest are the HKVD
+    tokens of highest deviation that the probe did not take (all within plain HKVD's top)."""
+    handles = default_engine.ingest(PASSAGES)
+    kw = dict(method="blend", recompute_ratio=0.3, max_new_tokens=1)
+    probe = set(default_engine.generate(QUERY, handles, selection="probe", **kw).hkvd_positions)
+    hkvd = set(default_engine.generate(QUERY, handles, **kw).hkvd_positions)
+    mixed = default_engine.generate(QUERY, handles, selection="probe", probe_share=0.5, **kw)
+    chosen = set(mixed.hkvd_positions)
+    assert len(chosen) == len(probe) == len(hkvd)
+    by_probe = chosen & probe
+    assert len(by_probe) >= round(0.5 * len(probe))
+    assert chosen - probe <= hkvd and chosen != probe and chosen != hkvd

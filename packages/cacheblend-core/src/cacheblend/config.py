@@ -26,11 +26,12 @@ METHODS = ("full", "prefix", "reuse", "blend")
 DEVIATIONS = ("v", "k", "kv")
 CHUNK_SINKS = ("bos", "frame")
 KV_DTYPES = ("float32", "bfloat16", "float16")
-SELECTIONS = ("deviation", "attention", "impact")
+SELECTIONS = ("deviation", "attention", "impact", "probe")
 CHUNK_BUDGETS = ("global", "attention")
 RATIO_MODES = ("auto", "guard")
 # RequestOptions fields that shape the selection (BlendConfig) besides the ratio
-SELECTION_FIELDS = ("check_layers", "deviation", "gradual", "selection", "chunk_heads", "chunk_budget", "max_risk")
+SELECTION_FIELDS = ("check_layers", "deviation", "gradual", "selection", "chunk_heads", "chunk_budget", "probe_share",
+                    "max_risk")
 GUARD_MAX_RISK = 0.9  # the guard's default risk limit, chosen on dev (docs/fidelity.md)
 
 
@@ -46,8 +47,12 @@ class BlendConfig:
     and the kept share shrinks linearly to r at the last check layer.
 
     ``selection`` ranks the candidates (:mod:`cacheblend.blend.selection`): by deviation
-    (HKVD, the paper's), by the question's ``"attention"`` at the check layer, or by
-    ``"impact"`` (attention × value error).  ``chunk_heads`` recomputes the first k tokens of
+    (HKVD, the paper's), by the question's ``"attention"`` at the check layer, by
+    ``"impact"`` (attention × value error), or by the question ``"probe"``: the question's
+    attention over every layer in a full-reuse pass (:mod:`cacheblend.blend.probe`).  With
+    ``probe_share`` below 1 the probe picks that share of the budget and deviation at the
+    check layer the rest; at 1 the probe's tokens are recomputed from layer 0 with no
+    check layer.  ``chunk_heads`` recomputes the first k tokens of
     every reused chunk first; ``chunk_budget="attention"`` spreads the budget over chunks
     by the question's attention to them.  ``max_risk`` turns on the quality guard: a
     prefill whose fidelity risk (:func:`cacheblend.blend.fusor.first_token_risk`) is above
@@ -63,6 +68,7 @@ class BlendConfig:
     selection: str = "deviation"
     chunk_heads: int = 0
     chunk_budget: str = "global"
+    probe_share: float = 1.0
     max_risk: float | None = None
     guard_ladder: tuple[float, ...] = (1.0,)  # dev: a 30 % rung first was slower and no more faithful
 
@@ -91,6 +97,9 @@ class BlendConfig:
             raise ValueError(f"chunk_budget must be one of {CHUNK_BUDGETS}, got {self.chunk_budget!r}")
         if isinstance(self.chunk_heads, bool) or not isinstance(self.chunk_heads, int) or self.chunk_heads < 0:
             raise ValueError(f"chunk_heads must be an int >= 0, got {self.chunk_heads!r}")
+        p = self.probe_share
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"probe_share must be within [0, 1], got {p!r}")
         f = self.max_risk
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
             raise ValueError(f"max_risk must be a risk limit within [0, 1] or None, got {f!r}")
@@ -176,6 +185,7 @@ class RequestOptions:
     selection: str = _BLEND.selection
     chunk_heads: int = _BLEND.chunk_heads
     chunk_budget: str = _BLEND.chunk_budget
+    probe_share: float = _BLEND.probe_share
     max_risk: float | None = _BLEND.max_risk
     max_new_tokens: int = _SAMPLING.max_new_tokens
     temperature: float = _SAMPLING.temperature
@@ -241,7 +251,7 @@ class RequestOptions:
             config = BlendConfig(recompute_ratio=ratio, check_layers=self.check_layers,  # type: ignore[arg-type]
                                  deviation=self.deviation, gradual=self.gradual, selection=self.selection,
                                  chunk_heads=self.chunk_heads, chunk_budget=self.chunk_budget,
-                                 max_risk=max_risk)
+                                 probe_share=self.probe_share, max_risk=max_risk)
             if num_layers is not None:
                 config.validate_for(num_layers)
         except (TypeError, ValueError) as e:

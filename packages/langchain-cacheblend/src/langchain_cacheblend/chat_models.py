@@ -83,9 +83,11 @@ class ChatCacheBlend(BaseChatModel):
     check_layers: tuple[int, ...] = tuple(_D.check_layers)
     deviation: Literal["v", "k", "kv"] = _D.deviation  # type: ignore[assignment]
     gradual: bool = _D.gradual
-    selection: Literal["deviation", "attention", "impact"] = _D.selection  # type: ignore[assignment]
+    selection: Literal["deviation", "attention", "impact", "probe"] = _D.selection  # type: ignore[assignment]
     chunk_heads: int = _D.chunk_heads
     chunk_budget: Literal["global", "attention"] = _D.chunk_budget  # type: ignore[assignment]
+    probe_share: float = _D.probe_share
+    """With ``selection="probe"``: the budget's share chosen by the question probe; the rest by deviation."""
     max_risk: float | None = _D.max_risk
     """The quality guard's risk limit (see ``response_metadata["cacheblend"]["fidelity"]``)."""
     ignore_eos: bool = _D.ignore_eos

@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dataset", default="musique", help=f"comma-separated, of {', '.join(TASKS)}")
     p.add_argument("--split", default="dev", choices=["dev", "test"])
     p.add_argument("--limit", type=int, default=10, help="examples per data set")
+    p.add_argument("--skip", type=int, default=0, metavar="N",
+                   help="with --fidelity-only: start after the first N examples of each data set "
+                        "(fresh prompts for a confirmation run)")
     p.add_argument("--methods", default="full,prefix,reuse,blend", help="comma-separated; full always runs")
     p.add_argument("--ratios", default="0.15", help="blend recompute ratios, comma-separated (a sweep)")
     p.add_argument("--check-layers", default="1", help="comma-separated layer indices")

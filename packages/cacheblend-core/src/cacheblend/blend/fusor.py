@@ -13,14 +13,15 @@ compute Q/K/V of the *active* tokens (all of them before the first check layer, 
 HKVD tokens plus every uncached token such as the question), overwrite their K/V with the
 fresh ones, attend exactly causally by absolute position, and run the MLP for them only.
 Exact-cached tokens (the system prefix) are never computed: their K/V are already what
-full prefill would produce.
+full prefill would produce.  With the question probe (``selection="probe"``) a full-reuse
+pass runs first and the recompute set comes from it (:mod:`cacheblend.blend.probe`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -30,6 +31,7 @@ from ..models.decoder import Decoder
 from ..store.entry import LayerSource
 from .attention import AttentionPlans
 from .loader import LayerLoader
+from .probe import QuestionProbe
 from .selection import BlendConfig, Candidates, choose, kv_deviation, query_attention
 
 __all__ = ["Attend", "Capture", "FusionReport", "KVCache", "Segment", "check_deadline", "first_token_risk",
@@ -151,28 +153,40 @@ def fused_prefill(
     lay = _layout(segments, kv.capacity, kv.k.device)
     n, reused_spans = lay.ids.numel(), lay.reused_spans
     ratio = config.recompute_ratio if lay.n_candidates else 0.0
+    t_start = time.perf_counter()
+    probed = None
+    if config.selection == "probe" and 0.0 < ratio < 1.0:
+        probed = _probe(dec, segments, kv, config, lay, prefetch, deadline)
     cos, sin = dec.rope_tables(torch.arange(n, device=kv.k.device))
     active = torch.nonzero(lay.uncached | lay.candidate if ratio > 0 else lay.uncached).squeeze(1)
+    chosen = probed.chosen if probed is not None else None
+    direct = chosen is not None
+    if chosen is not None:  # the probe's tokens: recomputed from layer 0 on, no check layer
+        active = torch.nonzero(lay.uncached | chosen).squeeze(1)
+    # After a probe the fused cache already holds every re-positioned reused K/V; only a
+    # check layer still reads the caches (deviation compares against them).
+    last_read = -1 if direct else config.check_layers[-1] if probed is not None else shape.num_layers
     h = dec.embed(lay.ids[active])
     checks, active_per_layer = {layer: i for i, layer in enumerate(config.check_layers)}, []
 
     plans = AttentionPlans(active, shape.dtype, shape.groups)
-    loader = LayerLoader([s.cached for _, _, s in reused_spans], shape.num_layers, prefetch)  # type: ignore[misc]
-    t_start = time.perf_counter()
+    loader = LayerLoader([s.cached for _, _, s in reused_spans], last_read + 1, prefetch)  # type: ignore[misc]
     try:
         for layer in range(shape.num_layers):
             check_deadline(deadline, f"the fused prefill, before layer {layer}")
-            cached = loader.layer(layer)
-            _reposition(dec, kv, layer, reused_spans, cached, cos, sin)
+            if layer <= last_read:
+                cached = loader.layer(layer)
+                _reposition(dec, kv, layer, reused_spans, cached, cos, sin)
             x = dec.attn_input(layer, h)
             k, v = dec.keys_values(layer, x)
             if capture is not None:
                 capture(layer, active, k, v)
             _write(kv, layer, active, dec.rope(k, cos[active], sin[active]), v)
 
-            if layer in checks and 0.0 < ratio < 1.0:
+            if layer in checks and 0.0 < ratio < 1.0 and not direct:
                 approx_kv = [c for (_, _, s), c in zip(reused_spans, cached, strict=True) if not s.exact]
-                q_att = _question_attention(dec, layer, x, active, lay, kv.k[layer, :, :n], cos, sin) \
+                q_att = probed.score if probed is not None else \
+                    _question_attention(dec, layer, x, active, lay, kv.k[layer, :, :n], cos, sin) \
                     if config.uses_attention else None
                 keep = _check(config, checks[layer], active, lay, approx_kv, k, v, q_att)
                 if keep is not None:  # HKVD tokens (and uncached ones) go on; the rest keep fresh K/V here
@@ -194,8 +208,40 @@ def fused_prefill(
         loader.close()
 
     kv.length = n
-    return _report(lay, active, dec.logits(h[-1:])[0], loader, active_per_layer,
-                   time.perf_counter() - t_start - loader.exposed_s)
+    report = _report(lay, active, dec.logits(h[-1:])[0], loader, active_per_layer,
+                     time.perf_counter() - t_start - loader.exposed_s)
+    if probed is not None:  # the probe's reading of the caches counts as this prefill's
+        report.load_s += probed.report.load_s
+        report.load_exposed_s += probed.report.load_exposed_s
+        report.compute_s -= probed.report.load_exposed_s
+    return report
+
+
+@dataclass
+class _Probed:
+    score: Tensor  # per position: the question's attention summed over layers (0 off the candidates)
+    chosen: Tensor | None  # bool per position: recompute (None: the check layer mixes in deviation)
+    report: FusionReport  # the probe pass's own (full reuse)
+
+
+def _probe(dec: Decoder, segments: Sequence[Segment], kv: KVCache, config: BlendConfig, lay: _Layout,
+           prefetch: bool, deadline: float | None) -> _Probed:
+    """Full reuse with the question probe listening (:mod:`cacheblend.blend.probe`).  Leaves every
+    re-positioned reused K/V in ``kv`` and picks the tokens to recompute, or, when the probe
+    shares the budget (``probe_share`` < 1), leaves its score to the check layer."""
+    probe = QuestionProbe(lay.question, lay.candidate, dec.scaling)
+    report = fused_prefill(dec, segments, kv, replace(config, recompute_ratio=0.0, selection="deviation"),
+                           prefetch=prefetch, deadline=deadline, attend=probe)
+    rows = torch.nonzero(lay.candidate).squeeze(1)
+    score = torch.zeros(lay.ids.numel(), device=rows.device)
+    score[rows] = probe.score
+    if config.probe_share < 1.0:
+        return _Probed(score, None, report)
+    keep = round(config.recompute_ratio * lay.n_candidates)
+    cands = Candidates(torch.zeros_like(probe.score), probe.score, lay.chunk_of[rows], lay.offset[rows])
+    chosen = torch.zeros_like(lay.candidate)
+    chosen[rows[choose(config, cands, keep)]] = True
+    return _Probed(score, chosen, report)
 
 
 def _report(lay: _Layout, active: Tensor, logits: Tensor, loader: LayerLoader, active_per_layer: list[int],

@@ -82,7 +82,7 @@ def _attention(c: Candidates) -> Tensor:
 
 
 def _score(config: BlendConfig, c: Candidates) -> Tensor:
-    if config.selection == "attention":
+    if config.selection in ("attention", "probe"):
         return _attention(c)
     if config.selection == "impact":
         return impact(c)
@@ -110,6 +110,12 @@ def priority(config: BlendConfig, c: Candidates) -> Tensor:
 
 
 def choose(config: BlendConfig, c: Candidates, keep: int) -> Tensor:
-    """The rows to recompute (ascending): the first ``keep`` by priority."""
+    """The rows to recompute (ascending): the first ``keep`` by priority; a probe sharing
+    its budget takes its ``probe_share`` by attention and fills the rest by deviation."""
     keep = max(0, min(keep, c.deviation.numel()))
+    if config.selection == "probe" and config.probe_share < 1.0:
+        first = torch.argsort(_attention(c), descending=True)[: round(config.probe_share * keep)]
+        rest = c.deviation.clone()
+        rest[first] = -1.0
+        return torch.cat([first, torch.argsort(rest, descending=True)[: keep - first.numel()]]).sort().values
     return priority(config, c)[:keep].sort().values

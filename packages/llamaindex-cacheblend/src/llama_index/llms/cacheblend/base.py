@@ -101,11 +101,14 @@ class CacheBlendLLM(CustomLLM):
     check_layers: tuple[int, ...] = Field(default=tuple(_D.check_layers), description="HKVD check layers.")
     deviation: str = Field(default=_D.deviation, description="Deviation measure: 'v', 'k' or 'kv'.")
     gradual: bool = Field(default=_D.gradual, description="Gradual filtering over the check layers.")
-    selection: str = Field(default=_D.selection, description="Token ranking: 'deviation', 'attention' or 'impact'.")
+    selection: str = Field(default=_D.selection,
+                           description="Token ranking: 'deviation', 'attention', 'impact' or 'probe'.")
     chunk_heads: int = Field(default=_D.chunk_heads, ge=0, description="First tokens of each chunk always "
                                                                        "recomputed.")
     chunk_budget: str = Field(default=_D.chunk_budget, description="'global', or 'attention': spread the "
                                                                    "recompute over chunks by the question's attention.")
+    probe_share: float = Field(default=_D.probe_share, ge=0.0, le=1.0, description="With selection='probe': the "
+                               "budget's share chosen by the question probe; the rest by deviation.")
     max_risk: float | None = Field(default=_D.max_risk, description="The quality guard's risk limit (see "
                                                                     "raw['cacheblend']['fidelity']).")
     seed: int | None = _D.seed
