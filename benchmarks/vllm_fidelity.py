@@ -33,11 +33,12 @@ from cacheblend.integrations.vllm_server import all_cores_bind, kv_transfer_conf
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", all_cores_bind())  # before vLLM starts its engine
 
 from cacheblend import Engine  # noqa: E402
+from cacheblend.bench.fidelity import parse_spec  # noqa: E402
 from cacheblend.bench.stats import bootstrap  # noqa: E402
 from cacheblend.datasets import QA_PREAMBLE, load_qa  # noqa: E402
 from cacheblend.integrations.vllm import register_passages  # noqa: E402
 
-VARIANTS = {"blend@0.15": {"recompute_ratio": 0.15}, "blend@guard": {"recompute_ratio": "guard"}}
+VARIANTS = ("blend@0.15", "blend@guard")  # the default and the guard
 
 
 def llm(model: str, connector: dict | None):
@@ -78,20 +79,28 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=6)
     ap.add_argument("--data", default=None, help="the data directory (default: $CACHEBLEND_DATA)")
     ap.add_argument("--out", type=Path, default=Path("bench-out/vllm_fidelity.json"))
+    ap.add_argument("--variants", default=";".join(VARIANTS),
+                    help="';'-separated blend variants, written as for `cacheblend bench --fidelity-only`")
     args = ap.parse_args()
+    variants = {}
+    for text in args.variants.split(";"):
+        spec = parse_spec(text)
+        if spec.method != "blend":
+            raise SystemExit(f"variant {text!r}: the connector blends; method must be blend")
+        variants[spec.name] = {k: v for k, v in spec.options.items() if k != "method"}
 
     root = Path(tempfile.mkdtemp(prefix="cacheblend-vllm-fidelity-"))
     examples = load_qa("musique", args.split, limit=args.limit, passages=args.chunks, data=args.data)
     engine = Engine.load(None, store=f"disk:{root / 'kv'}")
-    prompts, core = [], {name: [] for name in VARIANTS}
-    core_ttft: dict[str, list[float]] = {"full": [], **{name: [] for name in VARIANTS}}
+    prompts, core = [], {name: [] for name in variants}
+    core_ttft: dict[str, list[float]] = {"full": [], **{name: [] for name in variants}}
     for ex in examples:
         handles = engine.ingest(ex.passages)
         prompts.append(engine.prompts.build(ex.query, [list(h.token_ids) for h in handles], None,
                                             QA_PREAMBLE).all_ids)
         full = engine.generate(ex.query, handles, method="full", max_new_tokens=1, preamble=QA_PREAMBLE)
         core_ttft["full"].append(full.ttft_s)
-        for name, opts in VARIANTS.items():
+        for name, opts in variants.items():
             r = engine.generate(ex.query, handles, max_new_tokens=1, preamble=QA_PREAMBLE, **opts)
             core[name].append((float(r.token_ids[:1] == full.token_ids[:1]), r.stats.escalated))
             core_ttft[name].append(r.ttft_s)
@@ -108,7 +117,7 @@ def main() -> None:
                     "split": args.split, "variants": {},
                     "ttft_median_s": {"vllm_full": statistics.median(p[2] for p in plain),
                                       "core_full": statistics.median(core_ttft["full"])}}
-    for name, opts in VARIANTS.items():
+    for name, opts in variants.items():
         got = first_tokens(blend_llm, prompts, opts)
         agree = [float(g[0] == p[0]) for g, p in zip(got, plain, strict=True)]
         receipts = [g[1] or {} for g in got]
