@@ -134,15 +134,16 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"{len(prompts)} musique {args.split} prompts, {args.chunks} passages each")
-    print(f"{'variant':<14}{'vLLM agreement':<28}{'escalated':>10}  {'core agreement':<28}{'escalated':>10}")
+    w = max(14, *(len(name) + 2 for name in report["variants"]))
+    print(f"{'variant':<{w}}{'vLLM agreement':<28}{'escalated':>10}  {'core agreement':<28}{'escalated':>10}")
     for name, r in report["variants"].items():
         v, c = r["vllm_agreement"], r["core_agreement"]
-        print(f"{name:<14}{v['mean']:.3f} [{v['low']:.3f}, {v['high']:.3f}]{'':<6}{r['vllm_escalated']:>9.0%}  "
+        print(f"{name:<{w}}{v['mean']:.3f} [{v['low']:.3f}, {v['high']:.3f}]{'':<6}{r['vllm_escalated']:>9.0%}  "
               f"{c['mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}]{'':<6}{r['core_escalated']:>9.0%}")
     t = report["ttft_median_s"]
     print(f"median TTFT: plain vLLM {t['vllm_full']:.2f} s, core full prefill {t['core_full']:.2f} s")
     for name, r in report["variants"].items():
-        print(f"{name:<14}connector {r['vllm_ttft_median_s']:.2f} s ({t['vllm_full'] / r['vllm_ttft_median_s']:.2f}x "
+        print(f"{name:<{w}}connector {r['vllm_ttft_median_s']:.2f} s ({t['vllm_full'] / r['vllm_ttft_median_s']:.2f}x "
               f"over plain vLLM); core engine {r['core_ttft_median_s']:.2f} s")
     print(f"written: {args.out}")
 
