@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from cacheblend import Engine
 from cacheblend.bench.fidelity import parse_spec
 from cacheblend.bench.stats import bootstrap, paired, spearman
 from cacheblend.blend.fusor import KVCache, Segment, first_token_risk, fused_prefill
@@ -254,3 +255,17 @@ def test_a_shared_probe_budget_fills_the_rest_by_deviation(default_engine):
     by_probe = chosen & probe
     assert len(by_probe) >= round(0.5 * len(probe))
     assert chosen - probe <= hkvd and chosen != probe and chosen != hkvd
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_probe_reads_lazy_caches_cleanly(default_model_dir, tmp_path, share):
+    """From a disk store (caches read layer by layer, prefetched) the probe gives the same
+    answer as from memory and rejects nothing, though its second pass reads the caches only
+    up to the check layer, or not at all."""
+    opts = dict(method="blend", recompute_ratio=0.2, selection="probe", probe_share=share, max_new_tokens=4)
+    disk = Engine.load(default_model_dir, store=f"disk:{tmp_path}")
+    memory = Engine.load(default_model_dir, store="memory")
+    got = disk.generate(QUERY, disk.ingest(PASSAGES), **opts)
+    want = memory.generate(QUERY, memory.ingest(PASSAGES), **opts)
+    assert got.stats.store_rejected == 0 and got.token_ids == want.token_ids
+    assert got.hkvd_positions == want.hkvd_positions

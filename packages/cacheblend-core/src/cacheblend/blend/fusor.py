@@ -165,7 +165,7 @@ def fused_prefill(
         active = torch.nonzero(lay.uncached | chosen).squeeze(1)
     # After a probe the fused cache already holds every re-positioned reused K/V; only a
     # check layer still reads the caches (deviation compares against them).
-    last_read = -1 if direct else config.check_layers[-1] if probed is not None else shape.num_layers
+    last_read = -1 if direct else config.check_layers[-1] if probed is not None else shape.num_layers - 1
     h = dec.embed(lay.ids[active])
     checks, active_per_layer = {layer: i for i, layer in enumerate(config.check_layers)}, []
 
