@@ -209,9 +209,8 @@ def study(engine, args, datasets: list[str], chunks: int) -> dict[str, Any]:
     names = [s.name for s in specs]
     samples: list[Sample] = []
     for d in datasets:
-        skip = getattr(args, "skip", 0)
-        task, examples = load_task(d, args.split, skip + args.limit, chunks, args.data)
-        samples += run(engine, task, examples[skip:], specs, args.max_new_tokens, start=skip)
+        task, examples = load_task(d, args.split, args.skip + args.limit, chunks, args.data)
+        samples += run(engine, task, examples[args.skip:], specs, args.max_new_tokens, start=args.skip)
     baselines = [baseline] + (["reuse"] if "reuse" in names and baseline != "reuse" else [])
     per = {d: summarise([s for s in samples if s.dataset == d], names, baselines) for d in datasets}
     pooled = summarise(samples, names, baselines)

@@ -45,6 +45,5 @@ class QuestionProbe:
         if self.question.numel() == 0:
             return
         mine = torch.searchsorted(rows, self.question)
-        att = query_attention(q[:, mine], self.question, keys, self.scale)[: self.candidate.numel()]
-        att = att[self.candidate]
+        att = query_attention(q[:, mine], self.question, keys, self.scale)[self.candidate]
         self.score += att / att.sum().clamp_min(1e-12)
