@@ -3,7 +3,8 @@ rate against plain vLLM and vLLM with the CacheBlend connector through a stock O
 client; every request answers, the report and the plot are written, and blending answers
 first sooner than plain vLLM's full prefill.  The benchmark's ``cacheblend-remote`` mode
 is left to full runs: CI's minutes are dear, and RemoteEngine against the connector's
-server is what tests/test_remote.py covers."""
+server is what tests/test_remote.py covers.  Three passages a request, from one example's
+ten, and ten seconds of arrivals keep it to about half of the run with six passages."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_short_load_run_answers_every_request_and_blends_faster(tmp_path):
         pytest.skip("no vLLM venv (make vllm)")
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--modes", "plain,cacheblend-openai",
-         "--rates", "6", "--duration", "20", "--pool", "2", "--idle", "2", "--tokens", "4",
+         "--rates", "6", "--duration", "10", "--pool", "1", "--passages", "3", "--idle", "2", "--tokens", "4",
          "--vllm-python", str(VLLM_PYTHON), "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
