@@ -322,3 +322,45 @@ def test_a_process_follows_an_index_another_one_healed(tmp_path):
     assert other.get(_key(2)) is not None and len(other) == 3 and other.index.rebuilds == 0
     other.put(_key(3), _kv(3))
     assert (tmp_path / "index.sqlite3").stat().st_ino == healed and len(healer) == 4
+
+
+FOLLOW_ON_A_FAILING_DISK = """
+import resource, signal, sqlite3, sys
+from pathlib import Path
+import torch
+from cacheblend.store import ChunkKV, DiskStore
+
+root = Path(sys.argv[1])
+def kv(i):
+    g = torch.Generator().manual_seed(i)
+    return ChunkKV(torch.randn(4, 2, 50, 16, generator=g), torch.randn(4, 2, 50, 16, generator=g), {})
+key = lambda i: f"{i + 1:064x}"
+store = DiskStore(root)
+for i in range(3):
+    store.put(key(i), kv(i))
+for suffix in ("", "-wal", "-shm"):  # another process healed: the old index aside, a new empty one in place
+    Path(f"{root}/index.sqlite3{suffix}").replace(f"{root}/aside{suffix}")
+new = sqlite3.connect(root / "index.sqlite3", isolation_level=None)
+new.execute("PRAGMA journal_mode=WAL")
+new.execute("CREATE TABLE entries (key TEXT PRIMARY KEY, bytes INTEGER, used REAL, "
+            "learned INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0)")
+new.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+new.close()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # from here no file may grow: SQLite's writes fail
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+got = store.get(key(1))
+print(got is not None, store.put(key(5), kv(5)), len(store), store.index.read_only)
+"""
+
+
+def test_a_disk_that_fails_while_following_a_healed_index_degrades(tmp_path):
+    """The fault run's failure (CI, stop 27): a process that follows an index another one
+    healed must open it, and the disk may fail right then ("database or disk is full",
+    "disk I/O error").  That error escaped the request as a raw OperationalError; now the
+    tier serves its entries read-only and skips the write.  A file-size limit makes the
+    disk fail for real, in a child process."""
+    out = subprocess.run([sys.executable, "-c", FOLLOW_ON_A_FAILING_DISK, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "False", "3", "True"], out.stdout + out.stderr[-2000:]
+    assert "serving read-only" in out.stderr

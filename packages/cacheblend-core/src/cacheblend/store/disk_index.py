@@ -4,13 +4,14 @@ The index is derived data: every entry file's own header says what the index rec
 So it heals instead of failing a request: an index that is damaged (``database disk image
 is malformed``, ``file is not a database``) is moved aside to ``index.sqlite3.damaged``
 and rebuilt from the headers; one that cannot be written (a read-only file or
-directory) turns the tier read-only, with one warning naming the path; one that cannot
-be opened at all is rebuilt in memory.  SQLite's locking lets several processes share
+directory, a full disk, an I/O error) turns the tier read-only, with one warning naming
+the path; one that cannot be opened at all is rebuilt in memory.  SQLite's locking lets several processes share
 it, and eviction and publication are single write transactions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import threading
@@ -67,9 +68,7 @@ class DiskIndex:
     def _open(self) -> sqlite3.Connection:
         try:
             db = self._connect()
-        except sqlite3.OperationalError as e:
-            if not _read_only_error(e):
-                raise
+        except sqlite3.OperationalError as e:  # read-only, full, an I/O error, locked for a minute
             return self._in_memory(f"cannot open {self.path} for writing ({e}); serving read-only")
         except sqlite3.DatabaseError as e:
             return self._heal_at_open(e)
@@ -78,8 +77,6 @@ class DiskIndex:
                 self._fill(db, self._scan())
         except sqlite3.OperationalError as e:
             db.close()
-            if not _read_only_error(e):
-                raise
             return self._in_memory(f"cannot write {self.path} ({e}); serving read-only")
         return db
 
@@ -161,25 +158,29 @@ class DiskIndex:
     # -- queries ---------------------------------------------------------------------
     def run(self, fn: Callable[[sqlite3.Connection], object], write: bool = False):
         """``fn(db)`` under the lock; damage heals the index and retries once.  A write
-        the index cannot take raises :class:`IndexUnwritable` (the caller skips it)."""
+        the index cannot take (read-only, full, an I/O error, locked past the timeout, still
+        damaged) raises :class:`IndexUnwritable`: the caller skips it, the request goes on."""
         if write and self.read_only:
             raise IndexUnwritable(self.problem or "read-only")
         for attempt in (0, 1):
             with self._lock:
-                self._follow()
                 try:
+                    self._follow()  # opening another process's new index can fail too (full, I/O)
                     return fn(self._db)
                 except sqlite3.OperationalError as e:
-                    if self._db.in_transaction:
-                        self._db.execute("ROLLBACK")
+                    with contextlib.suppress(sqlite3.Error):
+                        if self._db.in_transaction:
+                            self._db.execute("ROLLBACK")
                     if _read_only_error(e):
                         self._go_read_only(e)
                         raise IndexUnwritable(str(e)) from e
-                    if "full" in str(e) or "disk I/O" in str(e):
+                    if write or "full" in str(e) or "disk I/O" in str(e):  # full, I/O, locked: skip it
                         raise IndexUnwritable(str(e)) from e
                     raise
                 except sqlite3.DatabaseError as e:
                     if attempt:
+                        if write:  # still damaged after healing: this write is skipped
+                            raise IndexUnwritable(str(e)) from e
                         raise
                     self._heal(e)
         raise AssertionError("unreachable")
