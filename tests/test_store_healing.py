@@ -325,10 +325,11 @@ def test_a_process_follows_an_index_another_one_healed(tmp_path):
 
 
 FOLLOW_ON_A_FAILING_DISK = """
-import resource, signal, sqlite3, sys
+import resource, signal, sys
 from pathlib import Path
 import torch
 from cacheblend.store import ChunkKV, DiskStore
+from cacheblend.store.disk_index import DiskIndex
 
 root = Path(sys.argv[1])
 def kv(i):
@@ -340,12 +341,7 @@ for i in range(3):
     store.put(key(i), kv(i))
 for suffix in ("", "-wal", "-shm"):  # another process healed: the old index aside, a new empty one in place
     Path(f"{root}/index.sqlite3{suffix}").replace(f"{root}/aside{suffix}")
-new = sqlite3.connect(root / "index.sqlite3", isolation_level=None)
-new.execute("PRAGMA journal_mode=WAL")
-new.execute("CREATE TABLE entries (key TEXT PRIMARY KEY, bytes INTEGER, used REAL, "
-            "learned INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0)")
-new.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-new.close()
+DiskIndex(root, scan=list).close()  # the healer's new index, still empty
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # from here no file may grow: SQLite's writes fail
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
 got = store.get(key(1))
@@ -354,7 +350,7 @@ print(got is not None, store.put(key(5), kv(5)), len(store), store.index.read_on
 
 
 def test_a_disk_that_fails_while_following_a_healed_index_degrades(tmp_path):
-    """The fault run's failure (CI, stop 27): a process that follows an index another one
+    """The fault run's failure (a clean-clone CI run): a process that follows an index another one
     healed must open it, and the disk may fail right then ("database or disk is full",
     "disk I/O error").  That error escaped the request as a raw OperationalError; now the
     tier serves its entries read-only and skips the write.  A file-size limit makes the

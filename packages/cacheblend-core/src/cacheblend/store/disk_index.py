@@ -5,8 +5,8 @@ So it heals instead of failing a request: an index that is damaged (``database d
 is malformed``, ``file is not a database``) is moved aside to ``index.sqlite3.damaged``
 and rebuilt from the headers; one that cannot be written (a read-only file or
 directory, a full disk, an I/O error) turns the tier read-only, with one warning naming
-the path; one that cannot be opened at all is rebuilt in memory.  SQLite's locking lets several processes share
-it, and eviction and publication are single write transactions.
+the path; one that cannot be opened at all is rebuilt in memory.  SQLite's locking lets
+several processes share it, and eviction and publication are single write transactions.
 """
 
 from __future__ import annotations
