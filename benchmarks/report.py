@@ -48,7 +48,12 @@ def main(paths: list[str]) -> None:
                   f"{share['0.15'][last // 2]:.0%} at layer {dev['layers'][last // 2]} and {share['0.15'][last]:.0%} "
                   f"at layer {dev['layers'][last]}; rank correlation between consecutive layers: mean "
                   f"{sum(dev['rank_correlation_next_layer']) / len(dev['rank_correlation_next_layer']):.2f}, "
-                  f"min {min(dev['rank_correlation_next_layer']):.2f}.\n")
+                  f"min {min(dev['rank_correlation_next_layer']):.2f}.", end="")
+            if "shift_share_k" in dev:  # reports written before the chunk shift have no such field
+                k, v = dev["shift_share_k"], dev["shift_share_v"]
+                print(f" Each chunk's mean error (its shift) holds {sum(k[1:]) / len(k[1:]):.0%} of the key and "
+                      f"{sum(v[1:]) / len(v[1:]):.0%} of the value error from layer {dev['layers'][1]} on.", end="")
+            print("\n")
 
 
 if __name__ == "__main__":

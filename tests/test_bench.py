@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cacheblend.bench.command import BASELINE
-from cacheblend.bench.deviation import sparsity_profile
+from cacheblend.bench.deviation import shift_profile, sparsity_profile
 from cacheblend.bench.metrics import output_f1, quality
 from cacheblend.bench.stats import spearman
 from cacheblend.bench.tasks import TASKS, load_task
@@ -52,6 +52,16 @@ def test_sparsity_profile_of_a_known_pattern():
     assert spearman(list(range(10)), list(range(10))) == pytest.approx(1.0)
 
 
+def test_shift_profile_is_the_share_of_the_chunk_mean():
+    shared = torch.ones(2, 1, 3, 4).expand(2, 1, 3, 4).clone()  # every token of the chunk: the same error
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0])[None, None, :, None]
+    centred = torch.ones(2, 1, 4, 4) * signs  # the errors cancel: no shift
+    half = shared[:, :, :2] + torch.tensor([1.0, -1.0])[None, None, :, None]  # mean 1, spread 1: half
+    prof = shift_profile([[(shared, centred)], [(half, half)]])
+    assert prof["shift_share_k"] == [pytest.approx((1.0 + 0.5) / 2)]
+    assert prof["shift_share_v"] == [pytest.approx((0.0 + 0.5) / 2)]
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory, default_model_dir):
     return make_tiny_model(tmp_path_factory.mktemp("bench-tiny"), "llama", default_model_dir)
@@ -82,6 +92,8 @@ def test_bench_writes_records_and_plots(tiny_folder, tmp_path, capsys):
         if r["method"] in ("reuse", "blend", "prefix"):
             assert r["store_hit_rate"] == 1.0
     assert report["deviation"]["prompts"] == 1
+    shift = report["deviation"]["shift_share_k"] + report["deviation"]["shift_share_v"]
+    assert len(shift) == 2 * len(report["deviation"]["layers"]) and all(0.0 <= x <= 1.0 for x in shift)
     for name in ("ttft_vs_chunks.png", "total_vs_chunks.png", "quality_vs_ratio.png", "deviation_sparsity.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 10_000
     assert "blend@0.15" in capsys.readouterr().out

@@ -13,7 +13,7 @@ from cacheblend import CacheBlendError, RequestOptions
 from cacheblend.integrations.kv_params import KNOWN_FIELDS, check_kv_transfer_params, fit_spans, parse_kv_params
 
 SELECTION = {"check_layers": [1], "deviation": "v", "gradual": False, "selection": "deviation", "chunk_heads": 0,
-             "chunk_budget": "global", "probe_share": 1.0, "max_risk": None}
+             "chunk_budget": "global", "probe_share": 1.0, "shift_share": 0.03, "max_risk": None}
 
 
 @pytest.mark.parametrize("params, match", [

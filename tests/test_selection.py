@@ -22,7 +22,7 @@ from conftest import PASSAGES, QUERY
 GEN = dict(max_new_tokens=8)
 MODES = [dict(selection="deviation"), dict(selection="attention"), dict(selection="impact"),
          dict(selection="impact", chunk_heads=3), dict(selection="deviation", chunk_budget="attention"),
-         dict(selection="probe")]
+         dict(selection="probe"), dict(selection="deviation", shift_share=0.0)]
 
 
 def _cands(dev, att, chunk, offset) -> Candidates:

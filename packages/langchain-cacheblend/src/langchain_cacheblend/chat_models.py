@@ -88,6 +88,8 @@ class ChatCacheBlend(BaseChatModel):
     chunk_budget: Literal["global", "attention"] = _D.chunk_budget  # type: ignore[assignment]
     probe_share: float = _D.probe_share
     """With ``selection="probe"``: the budget's share chosen by the question probe; the rest by deviation."""
+    shift_share: float = _D.shift_share
+    """Share of each chunk's tokens, evenly spaced, recomputed to estimate and correct the chunk's shift (0: off)."""
     max_risk: float | None = _D.max_risk
     """The quality guard's risk limit (see ``response_metadata["cacheblend"]["fidelity"]``)."""
     ignore_eos: bool = _D.ignore_eos

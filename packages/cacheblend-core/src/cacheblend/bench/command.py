@@ -15,7 +15,7 @@ from typing import Any
 from ..config import CHUNK_SINKS, KV_DTYPES
 from .tasks import TASK_FILES, TASKS, load_task
 
-BASELINE = "blend@0.15:selection=deviation:chunk_heads=0"  # the paper's HKVD (V deviation, layer 1)
+BASELINE = "blend@0.15:selection=deviation:chunk_heads=0:shift_share=0"  # the paper's HKVD (V deviation, layer 1)
 DEFAULT_VARIANTS = "reuse;blend@0.15;blend@guard"
 
 
@@ -103,11 +103,13 @@ def main(args) -> int:
             report["peer_error"] = str(e)  # our own records stand; say why the peer's are missing
             print(f"cacheblend bench: vLLM peer failed: {e}", file=sys.stderr)
     if args.deviation:
-        from .deviation import sparsity_profile, token_deviation
+        from .deviation import chunk_errors, shift_profile, sparsity_profile, token_deviation
 
         task, examples = load_task(datasets[0], args.split, args.deviation, max(chunk_counts), args.data)
+        errors = [chunk_errors(engine, task, ex) for ex in examples]
         report["deviation"] = {"dataset": datasets[0], "chunks": max(chunk_counts),
-                               **sparsity_profile([token_deviation(engine, task, ex) for ex in examples])}
+                               **sparsity_profile([token_deviation(e) for e in errors]), **shift_profile(errors)}
+        del errors
     report["seconds"] = time.perf_counter() - t0
     _print(report["records"])
     _write(report, args)

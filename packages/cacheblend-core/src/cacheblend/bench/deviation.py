@@ -1,10 +1,13 @@
-"""How sparse the KV deviation is, layer by layer (paper §4.3, Figs. 6 and 8).
+"""How sparse the KV deviation is, layer by layer (paper §4.3, Figs. 6 and 8), and how
+much of it a chunk shift explains.
 
 For each chunk token, the deviation at layer l is the squared distance between the K/V
 that full prefill computes there and the chunk's precomputed K/V (both before RoPE, so
 position plays no part).  Two properties make selective recompute work: a small share of
 tokens holds most of the deviation (sparsity), and the tokens that deviate most at one
 layer also do at the next (rank correlation), so a choice made at an early layer holds.
+What selection cannot reach is the error every token of a chunk shares: its mean, which
+the chunk shift correction estimates from a sample (:func:`shift_profile`).
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from .tasks import Example, Task
 TOP_SHARES = (0.01, 0.05, 0.10, 0.15, 0.20, 0.30, 0.50)
 
 
-def token_deviation(engine: Engine, task: Task, ex: Example) -> torch.Tensor:
-    """``[layers, chunk tokens]`` squared K+V deviation of reused chunks from full prefill."""
+def chunk_errors(engine: Engine, task: Task, ex: Example) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per reused chunk: full prefill's K and V minus the chunk's precomputed ones,
+    ``[layers, kv_heads, chunk tokens, head_dim]`` each (keys before RoPE)."""
     handles = engine.ingest(ex.passages)
     prompt = engine.prompts.build(ex.query, [list(h.token_ids) for h in handles], None, task.preamble)
     ids = prompt.all_ids
@@ -35,15 +39,35 @@ def token_deviation(engine: Engine, task: Task, ex: Example) -> torch.Tensor:
 
     with torch.inference_mode():
         fused_prefill(engine.decoder, [Segment(ids)], KVCache(shape, len(ids), "cpu"), BlendConfig(), capture=capture)
-    rows, start = [], len(prompt.prefix)
+    out, start = [], len(prompt.prefix)
     for h in handles:
         cached = engine.store.get(h.key) or engine.chunks.precompute(list(h.token_ids))
         span = slice(start, start + h.num_tokens)
-        dk = (full_k[:, :, span] - cached.k.float()).pow(2).sum(dim=(1, 3))
-        dv = (full_v[:, :, span] - cached.v.float()).pow(2).sum(dim=(1, 3))
-        rows.append(dk + dv)
+        out.append((full_k[:, :, span] - cached.k.float(), full_v[:, :, span] - cached.v.float()))
         start += h.num_tokens
-    return torch.cat(rows, dim=1)
+    return out
+
+
+def token_deviation(errors: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``[layers, chunk tokens]`` squared K+V deviation of reused chunks from full prefill."""
+    return torch.cat([ek.pow(2).sum(dim=(1, 3)) + ev.pow(2).sum(dim=(1, 3)) for ek, ev in errors], dim=1)
+
+
+def shift_profile(prompts: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> dict:
+    """Per layer: the share of the chunk tokens' squared key and value error that each
+    chunk's mean error (per layer and KV head) holds, averaged over prompts: what a
+    perfect chunk shift (``shift_share``, :mod:`cacheblend.blend.shift`) would remove."""
+    layers = prompts[0][0][0].shape[0]
+    share: dict[str, list[float]] = {"k": [], "v": []}
+    for part, name in ((0, "k"), (1, "v")):
+        for layer in range(1, layers):
+            vals = []
+            for errors in prompts:
+                total = sum(float(e[part][layer].pow(2).sum()) for e in errors)
+                mean = sum(float(e[part][layer].mean(1).pow(2).sum()) * e[part].shape[2] for e in errors)
+                vals.append(mean / max(total, 1e-12))
+            share[name].append(sum(vals) / len(vals))
+    return {"shift_share_k": share["k"], "shift_share_v": share["v"]}
 
 
 def sparsity_profile(deviations: list[torch.Tensor]) -> dict:

@@ -33,6 +33,7 @@ from .attention import AttentionPlans
 from .loader import LayerLoader
 from .probe import QuestionProbe
 from .selection import BlendConfig, Candidates, choose, kv_deviation, query_attention
+from .shift import ChunkShift, evenly_spaced
 
 __all__ = ["Attend", "Capture", "FusionReport", "KVCache", "Segment", "check_deadline", "first_token_risk",
            "fused_prefill"]
@@ -163,9 +164,12 @@ def fused_prefill(
     direct = chosen is not None
     if chosen is not None:  # the probe's tokens: recomputed from layer 0 on, no check layer
         active = torch.nonzero(lay.uncached | chosen).squeeze(1)
+    sample, shift = _shift_sample(config, ratio, direct, lay, reused_spans)
     # After a probe the fused cache already holds every re-positioned reused K/V; only a
-    # check layer still reads the caches (deviation compares against them).
-    last_read = -1 if direct else config.check_layers[-1] if probed is not None else shape.num_layers - 1
+    # check layer still reads the caches (deviation compares against them), and a chunk
+    # shift, which moves the cached K/V of every layer.
+    last_read = -1 if direct else config.check_layers[-1] if probed is not None and shift is None \
+        else shape.num_layers - 1
     h = dec.embed(lay.ids[active])
     checks, active_per_layer = {layer: i for i, layer in enumerate(config.check_layers)}, []
 
@@ -174,11 +178,13 @@ def fused_prefill(
     try:
         for layer in range(shape.num_layers):
             check_deadline(deadline, f"the fused prefill, before layer {layer}")
-            if layer <= last_read:
-                cached = loader.layer(layer)
-                _reposition(dec, kv, layer, reused_spans, cached, cos, sin)
             x = dec.attn_input(layer, h)
             k, v = dec.keys_values(layer, x)
+            if layer <= last_read:
+                cached = loader.layer(layer)
+                deltas = shift.deltas(active, k, v, cached) \
+                    if shift is not None and layer > config.check_layers[0] else None
+                _reposition(dec, kv, layer, reused_spans, cached, cos, sin, deltas)
             if capture is not None:
                 capture(layer, active, k, v)
             _write(kv, layer, active, dec.rope(k, cos[active], sin[active]), v)
@@ -188,7 +194,7 @@ def fused_prefill(
                 q_att = probed.score if probed is not None else \
                     _question_attention(dec, layer, x, active, lay, kv.k[layer, :, :n], cos, sin) \
                     if config.uses_attention else None
-                keep = _check(config, checks[layer], active, lay, approx_kv, k, v, q_att)
+                keep = _check(config, checks[layer], active, lay, approx_kv, k, v, q_att, sample)
                 if keep is not None:  # HKVD tokens (and uncached ones) go on; the rest keep fresh K/V here
                     active, h, x = active[keep], h[keep], x[keep]
                     plans = AttentionPlans(active, shape.dtype, shape.groups)
@@ -262,11 +268,28 @@ def _report(lay: _Layout, active: Tensor, logits: Tensor, loader: LayerLoader, a
 
 
 def _reposition(dec: Decoder, kv: KVCache, layer: int, spans: list[tuple[int, int, Segment]],
-                cached: list[tuple[Tensor, Tensor]], cos: Tensor, sin: Tensor) -> None:
-    """Write the reused K/V of one layer into the fused cache, RoPE applied at their real offsets."""
-    for (a, b, _), (ck, cv) in zip(spans, cached, strict=True):
+                cached: list[tuple[Tensor, Tensor]], cos: Tensor, sin: Tensor,
+                deltas: list[tuple[Tensor, Tensor] | None] | None = None) -> None:
+    """Write the reused K/V of one layer into the fused cache, RoPE applied at their real
+    offsets, each span moved by its chunk shift when ``deltas`` has one."""
+    for i, ((a, b, _), (ck, cv)) in enumerate(zip(spans, cached, strict=True)):
+        d = deltas[i] if deltas is not None else None
+        if d is not None:
+            ck, cv = ck + d[0], cv + d[1]
         kv.k[layer, :, a:b] = dec.rope(ck, cos[a:b], sin[a:b])
         kv.v[layer, :, a:b] = cv
+
+
+def _shift_sample(config: BlendConfig, ratio: float, direct: bool, lay: _Layout,
+                  spans: list[tuple[int, int, Segment]]) -> tuple[Tensor | None, ChunkShift | None]:
+    """The evenly spaced tokens recomputed to estimate each chunk's shift
+    (:mod:`cacheblend.blend.shift`), or (None, None) without a check layer to keep them at."""
+    if config.shift_share <= 0.0 or not 0.0 < ratio < 1.0 or direct:
+        return None, None
+    approx = [None if s.exact else (a, b) for a, b, s in spans]
+    sample = evenly_spaced([x for x in approx if x is not None], min(config.shift_share, ratio),
+                           lay.ids.numel(), lay.ids.device)
+    return sample, ChunkShift(approx, sample)
 
 
 def first_token_risk(logits: Tensor) -> float:
@@ -314,12 +337,17 @@ def _check(
     k: Tensor,
     v: Tensor,
     attention: Tensor | None,
+    sample: Tensor | None = None,
 ) -> Tensor | None:
     """At a check layer, keep the chosen candidates; return indices into ``active`` to keep
-    (None: keep all)."""
+    (None: keep all).  The shift ``sample`` is always kept, out of the budget."""
     is_cand = lay.candidate[active]
-    cand_idx = torch.nonzero(is_cand).squeeze(1)
     keep_n = round(config.keep_ratio(check_index) * lay.n_candidates)
+    if sample is not None:
+        in_sample = sample[active]
+        keep_n -= int(in_sample.sum())
+        is_cand = is_cand & ~in_sample
+    cand_idx = torch.nonzero(is_cand).squeeze(1)
     if keep_n >= cand_idx.numel():
         return None
     pos = active[cand_idx]

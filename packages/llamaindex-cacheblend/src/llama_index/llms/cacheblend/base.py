@@ -109,6 +109,8 @@ class CacheBlendLLM(CustomLLM):
                                                                    "recompute over chunks by the question's attention.")
     probe_share: float = Field(default=_D.probe_share, ge=0.0, le=1.0, description="With selection='probe': the "
                                "budget's share chosen by the question probe; the rest by deviation.")
+    shift_share: float = Field(default=_D.shift_share, ge=0.0, le=1.0, description="Share of each chunk's tokens, "
+                               "evenly spaced, recomputed to estimate and correct the chunk's shift (0: off).")
     max_risk: float | None = Field(default=_D.max_risk, description="The quality guard's risk limit (see "
                                                                     "raw['cacheblend']['fidelity']).")
     seed: int | None = _D.seed
