@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from cacheblend import CacheBlendError, Engine
+from cacheblend.blend.shift import evenly_spaced
+from cacheblend.datasets import load_qa
 from cacheblend.ui import Explorer, split_passages
 from conftest import PASSAGES, QUERY, make_tiny_model
 
@@ -43,9 +45,22 @@ def test_deviation_and_recompute_set(engine):
     for r in (0.0, 0.15, 0.3, 1.0):
         assert int(ex.recomputed(r).sum()) == round(r * cand.numel())
     chosen = ex.recomputed()
-    assert ex.deviation[chosen].min() >= ex.deviation[cand][~chosen[cand]].max()  # the highest, as HKVD picks
+    sample = evenly_spaced(ex.chunk_spans, min(ex.shift_share, 0.3), len(ex.tokens), torch.device("cpu"))
+    assert ex.shift_share > 0 and bool(chosen[sample].all())  # the chunk-shift sample, then ...
+    hkvd = chosen & ~sample
+    assert ex.deviation[hkvd].min() >= ex.deviation[cand][~chosen[cand]].max()  # ... the highest, as HKVD picks
     with pytest.raises(CacheBlendError):
         ex.recomputed(1.5)
+
+
+def test_the_recompute_set_is_the_engines_on_a_real_prompt(engine):
+    """A chunk of musique size (a 3 % sample of it, then HKVD): the explorer marks exactly
+    the tokens the engine's fused prefill recomputes, at the default ratio and at another."""
+    ex_qa = load_qa("musique", "dev", limit=1, passages=1)[0]  # the tiny model holds 1,024 tokens
+    for ratio in (0.15, 0.3):
+        ex = engine.explain(ex_qa.question, ex_qa.passages, recompute_ratio=ratio, answers=False)
+        r = engine.generate(ex_qa.question, ex_qa.passages, recompute_ratio=ratio, max_new_tokens=1)
+        assert torch.nonzero(ex.recomputed()).squeeze(1).tolist() == sorted(r.hkvd_positions)
 
 
 def test_explain_answers_are_the_engines_and_serialize(engine):

@@ -5,8 +5,9 @@ The figures that explain the paper, for *your* prompt:
 - **KV deviation** per token at the check layer: how far each chunk token's reused K/V
   is from what full prefill computes there (paper §4.3).  Every token is computed up to
   the check layer, so the fresh side is full prefill's own K/V.
-- **The recompute set**: the HKVD tokens, the chunk tokens of highest deviation; for any
-  ratio (``Explanation.recomputed(ratio)``) without computing anything again.
+- **The recompute set**: the chunk-shift sample and the HKVD tokens, the chunk tokens of
+  highest deviation; for any ratio (``Explanation.recomputed(ratio)``) without computing
+  anything again.
 - **Attention maps** (on request) at one layer, averaged over heads, under full prefill,
   full reuse and blend.  Rows of tokens a method computes are its real attention; rows of
   reused tokens are the attention their cache was made with (its own chunk only: the
@@ -30,6 +31,7 @@ from torch import Tensor
 
 from .blend.fusor import KVCache, Segment, fused_prefill
 from .blend.selection import kv_deviation
+from .blend.shift import evenly_spaced
 from .cache.chunks import LookupCounter
 from .config import BlendConfig, RequestOptions
 from .datasets import token_f1
@@ -74,6 +76,8 @@ class Explanation:
     full: Result | None = None
     blended: Result | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    shift_share: float = 0.0  # the request's chunk-shift sample (BlendConfig.shift_share)
+    chunk_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each chunk
 
     @property
     def candidates(self) -> Tensor:
@@ -81,16 +85,25 @@ class Explanation:
         return torch.tensor([i for i, t in enumerate(self.tokens) if t.part == "chunk"], dtype=torch.long)
 
     def recomputed(self, ratio: float | None = None) -> Tensor:
-        """``[n]`` bool: the chunk tokens HKVD recomputes at ``ratio`` (default: the
-        request's), the ``round(ratio × chunk tokens)`` of highest deviation."""
+        """``[n]`` bool: the chunk tokens the blend recomputes at ``ratio`` (default: the
+        request's): ``round(ratio × chunk tokens)`` in all, the chunk-shift sample
+        (:func:`cacheblend.blend.shift.evenly_spaced`) first, then the HKVD tokens, those of
+        highest deviation, as the fusor chooses them."""
         ratio = self.recompute_ratio if ratio is None else ratio
         if not 0.0 <= ratio <= 1.0:
             raise CacheBlendError(f"ratio must be in [0, 1], got {ratio!r}")
         cand = self.candidates
         keep = round(ratio * cand.numel())
         out = torch.zeros(len(self.tokens), dtype=torch.bool)
-        if keep:
-            out[cand[self.deviation[cand].topk(keep).indices]] = True
+        if keep >= cand.numel():
+            out[cand] = True
+            return out
+        if self.shift_share > 0.0 and ratio > 0.0:
+            out |= evenly_spaced(self.chunk_spans, min(self.shift_share, ratio), len(self.tokens), out.device)
+            keep -= int(out.sum())
+        rest = cand[~out[cand]]
+        if keep > 0:
+            out[rest[self.deviation[rest].topk(min(keep, rest.numel())).indices]] = True
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -132,7 +145,8 @@ def explain(engine: Engine, query: str, chunks: Sequence[ChunkHandle | str], *, 
     for (start, end), source in zip(spans, cached, strict=True):
         k, v = source.layer(check)
         deviation[start:end] = kv_deviation(full_kv[0][:, start:end], full_kv[1][:, start:end], k, v, blend.deviation)
-    out = Explanation(tokens, deviation, check, blend.recompute_ratio, options=dict(options))
+    out = Explanation(tokens, deviation, check, blend.recompute_ratio, options=dict(options),
+                      shift_share=blend.shift_share, chunk_spans=list(spans))
     if attention_layer is not None:
         out.attention = probe.maps(prompt, handles, spans, tokens, blend)
     if answers:
