@@ -108,3 +108,19 @@ def test_the_shift_moves_stale_rows_towards_full_prefill(default_engine):
     for part in ("k", "v"):
         # measured: keys 0.71, values 0.92 of the plain blend's error
         assert error("shift", part) < (0.8 if part == "k" else 0.95) * error("plain", part), part
+
+
+def test_segment_shrunk_means_equal_shrunk_mean_per_segment():
+    """The batched shift (one pass over all chunks) is the per-chunk shrunk mean, including
+    a one-row segment (no correction) and a segment whose spread swamps its mean."""
+    from cacheblend.blend.shift import segment_shrunk_means
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [5, 1, 12, 3]
+    parts = [torch.randn(3, m, 8, generator=g) * (0.2 + j) + (j - 1.5) for j, m in enumerate(sizes)]
+    parts[3] = torch.randn(3, 3, 8, generator=g) * 10.0  # mean ~0 against a large spread: shrunk to 0
+    segment = torch.cat([torch.full((m,), j) for j, m in enumerate(sizes)])
+    got = segment_shrunk_means(torch.cat(parts, 1), segment, torch.tensor(sizes))
+    for j, part in enumerate(parts):
+        torch.testing.assert_close(got[:, j : j + 1], shrunk_mean(part), rtol=1e-5, atol=1e-6)
+    assert bool((got[:, 1] == 0).all())

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["ChunkShift", "evenly_spaced", "shrunk_mean"]
+__all__ = ["ChunkShift", "evenly_spaced", "segment_shrunk_means", "shrunk_mean"]
 
 
 def evenly_spaced(spans: Sequence[tuple[int, int]], share: float, length: int, device: torch.device) -> Tensor:
@@ -38,30 +38,71 @@ def evenly_spaced(spans: Sequence[tuple[int, int]], share: float, length: int, d
 
 
 class ChunkShift:
-    """Per approximately reused span: the sampled positions, and each layer's shift."""
+    """Per approximately reused span: the sampled positions, and each layer's shift.
+
+    The shifts of all spans come from one batched pass per layer (gather, segment sums):
+    a loop over spans cost about 3 % of a 6-chunk blend's TTFT in small ops."""
 
     def __init__(self, spans: Sequence[tuple[int, int] | None], sample: Tensor) -> None:
         """``spans``: one entry per reused segment, None for an exact one (never shifted);
         ``sample``: the bool mask of :func:`evenly_spaced`."""
         self.spans = list(spans)
-        self.positions = [None if s is None else torch.nonzero(sample[s[0]:s[1]]).squeeze(1) + s[0]
-                          for s in self.spans]
+        self._shifted: list[int] = []  # the spans with a sample, in order
+        self._offsets: list[Tensor] = []  # their sampled offsets within the span
+        positions, segment = [], []
+        for i, span in enumerate(self.spans):
+            if span is None or not bool(sample[span[0]:span[1]].any()):
+                continue
+            offs = torch.nonzero(sample[span[0]:span[1]]).squeeze(1)
+            positions.append(offs + span[0])
+            segment.append(torch.full_like(offs, len(self._shifted)))
+            self._shifted.append(i)
+            self._offsets.append(offs)
+        if self._shifted:
+            self._positions, self._segment = torch.cat(positions), torch.cat(segment)
+            self._counts = torch.tensor([o.numel() for o in self._offsets], device=sample.device)
+        self._rows: tuple[Tensor, Tensor] | None = None  # (active, rows of the sample in it)
 
     def deltas(self, active: Tensor, k: Tensor, v: Tensor,
                cached: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor] | None]:
         """The shift [KVH, 1, hd] of K (pre-RoPE) and V per span, from the sampled rows'
         fresh ``k``/``v`` ([KVH, len(active), hd], rows in ``active`` order) against
         ``cached`` (one (K, V) per span, [KVH, span tokens, hd])."""
-        out: list[tuple[Tensor, Tensor] | None] = []
-        for span, pos, (ck, cv) in zip(self.spans, self.positions, cached, strict=True):
-            if span is None or pos is None or pos.numel() == 0:
-                out.append(None)
-                continue
-            rows, offs = torch.searchsorted(active, pos), pos - span[0]
-            dk = shrunk_mean(k[:, rows].float() - ck[:, offs].float())
-            dv = shrunk_mean(v[:, rows].float() - cv[:, offs].float())
-            out.append((dk.to(ck.dtype), dv.to(cv.dtype)))
+        out: list[tuple[Tensor, Tensor] | None] = [None] * len(self.spans)
+        if not self._shifted:
+            return out
+        if self._rows is None or self._rows[0] is not active:  # active changes only at check layers
+            self._rows = (active, torch.searchsorted(active, self._positions))
+        rows = self._rows[1]
+        heads = k.shape[0]
+        # K and V heads stacked, so one pass estimates both
+        fresh = torch.cat([k.index_select(1, rows), v.index_select(1, rows)])
+        stale = torch.cat([self._sampled(cached, 0), self._sampled(cached, 1)])
+        shift = segment_shrunk_means(fresh.float() - stale.float(), self._segment, self._counts)
+        dk, dv = shift[:heads].to(stale.dtype), shift[heads:].to(stale.dtype)
+        for j, i in enumerate(self._shifted):
+            out[i] = (dk[:, j : j + 1], dv[:, j : j + 1])
         return out
+
+    def _sampled(self, cached: Sequence[tuple[Tensor, Tensor]], which: int) -> Tensor:
+        """The sampled rows of the cached K (``which`` 0) or V (1), spans concatenated."""
+        return torch.cat([cached[i][which].index_select(1, offs)
+                          for i, offs in zip(self._shifted, self._offsets, strict=True)], 1)
+
+
+def segment_shrunk_means(diff: Tensor, segment: Tensor, counts: Tensor) -> Tensor:
+    """:func:`shrunk_mean` of each segment of ``diff`` [H, M, hd] at once: ``segment`` [M]
+    names each row's segment (0 … S − 1), ``counts`` [S] its number of rows; returns
+    [H, S, hd]."""
+    heads, _, dims = diff.shape
+    m = counts.to(diff.dtype)
+    sums = diff.new_zeros(heads, m.numel(), dims).index_add_(1, segment, diff)
+    mean = sums / m.clamp_min(1.0)[None, :, None]
+    centred = (diff - mean.index_select(1, segment)).pow(2).sum(-1)  # [H, M]
+    spread = centred.new_zeros(heads, m.numel()).index_add_(1, segment, centred) / (m - 1).clamp_min(1.0)
+    power = mean.pow(2).sum(-1).clamp_min(1e-30)
+    factor = (1.0 - spread / (m * power)).clamp(0.0, 1.0) * (m >= 2).to(diff.dtype)
+    return mean * factor[..., None]
 
 
 def shrunk_mean(diff: Tensor) -> Tensor:
