@@ -101,7 +101,12 @@ class DiskIndex:
             db = self._connect()
         except (OSError, sqlite3.Error) as e:
             return self._in_memory(f"index {self.path} is damaged ({error}) and cannot be replaced ({e})")
-        self._rebuilt(db, error)
+        try:
+            self._rebuilt(db, error)
+        except sqlite3.Error as e:  # the new file opened, but the disk fails as it fills (full, I/O)
+            db.close()
+            return self._in_memory(f"index {self.path} is damaged ({error}) and cannot be rebuilt ({e}); "
+                                   "serving read-only")
         return db
 
     def _move_aside(self) -> None:
