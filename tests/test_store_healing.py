@@ -324,7 +324,9 @@ def test_a_process_follows_an_index_another_one_healed(tmp_path):
     assert (tmp_path / "index.sqlite3").stat().st_ino == healed and len(healer) == 4
 
 
-FOLLOW_ON_A_FAILING_DISK = """
+# A child process's start (the file-size limit it sets must not reach pytest): a store
+# at argv[1], and random K/V to fill it with.
+CHILD_STORE = """
 import resource, signal, sys
 from pathlib import Path
 import torch
@@ -337,6 +339,9 @@ def kv(i):
     return ChunkKV(torch.randn(4, 2, 50, 16, generator=g), torch.randn(4, 2, 50, 16, generator=g), {})
 key = lambda i: f"{i + 1:064x}"
 store = DiskStore(root)
+"""
+
+FOLLOW_ON_A_FAILING_DISK = CHILD_STORE + """
 for i in range(3):
     store.put(key(i), kv(i))
 for suffix in ("", "-wal", "-shm"):  # another process healed: the old index aside, a new empty one in place
@@ -362,20 +367,9 @@ def test_a_disk_that_fails_while_following_a_healed_index_degrades(tmp_path):
     assert "serving read-only" in out.stderr
 
 
-HEAL_ON_A_FAILING_DISK = """
-import resource, signal, sys
-from pathlib import Path
-import torch
-from cacheblend.store import ChunkKV, DiskStore
-
-root = Path(sys.argv[1])
-def kv(i):
-    g = torch.Generator().manual_seed(i)
-    return ChunkKV(torch.randn(4, 2, 50, 16, generator=g), torch.randn(4, 2, 50, 16, generator=g), {})
-key = lambda i: f"{i + 1:064x}"
-store = DiskStore(root)
+HEAL_ON_A_FAILING_DISK = CHILD_STORE + """
 for i in range(300):  # enough rows that the rebuilt index outgrows the limit below
-    store.put(f"{i + 1:064x}", kv(i % 3))
+    store.put(key(i), kv(i % 3))
 store.index.close()  # checkpointed: the rows live in the file
 index = root / "index.sqlite3"
 with open(index, "r+b") as f:  # every page after the first overwritten, as after a torn write
