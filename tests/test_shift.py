@@ -9,12 +9,24 @@ import torch
 
 from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
 from cacheblend.blend.selection import BlendConfig
-from cacheblend.blend.shift import evenly_spaced, shrunk_mean
+from cacheblend.blend.shift import evenly_spaced, segment_shrunk_means
 from cacheblend.config import RequestOptions
 from cacheblend.datasets import load_qa
 from cacheblend.errors import CacheBlendError
 from conftest import PASSAGES, QUERY
 
+
+def shrunk_mean(diff: torch.Tensor) -> torch.Tensor:
+    """Reference for one chunk, written directly from the formula (the library computes all
+    chunks at once): the mean over rows, times max(0, 1 − σ²/(m‖mean‖²)) per head, none
+    for a single row."""
+    m = diff.shape[1]
+    mean = diff.mean(1, keepdim=True)
+    if m < 2:
+        return torch.zeros_like(mean)
+    spread = diff.var(1, keepdim=True).sum(-1, keepdim=True)
+    power = mean.pow(2).sum(-1, keepdim=True)
+    return mean * (1.0 - spread / (m * power)).clamp(0.0, 1.0)
 
 def test_evenly_spaced_takes_the_centres_of_equal_parts():
     got = evenly_spaced([(0, 10), (10, 13)], 0.2, 15, torch.device("cpu"))
@@ -113,8 +125,6 @@ def test_the_shift_moves_stale_rows_towards_full_prefill(default_engine):
 def test_segment_shrunk_means_equal_shrunk_mean_per_segment():
     """The batched shift (one pass over all chunks) is the per-chunk shrunk mean, including
     a one-row segment (no correction) and a segment whose spread swamps its mean."""
-    from cacheblend.blend.shift import segment_shrunk_means
-
     g = torch.Generator().manual_seed(0)
     sizes = [5, 1, 12, 3]
     parts = [torch.randn(3, m, 8, generator=g) * (0.2 + j) + (j - 1.5) for j, m in enumerate(sizes)]
