@@ -76,8 +76,11 @@ class DiskSource:
 
     def layer(self, index: int):
         try:
-            k = self._file.get_tensor(f"k.{index}")
-            v = self._file.get_tensor(f"v.{index}")
+            # Copies, not views: safetensors maps the file, so a view would change under
+            # us if the file is overwritten in place after the digest check; what is
+            # checked must be exactly what is served.
+            k = self._file.get_tensor(f"k.{index}").clone()
+            v = self._file.get_tensor(f"v.{index}").clone()
         except Exception as e:
             self._store.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} unreadable: {e}") from e
