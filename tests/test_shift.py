@@ -122,6 +122,37 @@ def test_the_shift_moves_stale_rows_towards_full_prefill(default_engine):
         assert error("shift", part) < (0.8 if part == "k" else 0.95) * error("plain", part), part
 
 
+def test_shift_parts_moves_only_the_named_half(default_engine):
+    """``shift_parts="v"`` leaves the stale rows' keys exactly as the re-positioned cache at
+    every layer; at the first shifted layer (before the shift has touched any fresh row)
+    each half it moves equals the full shift's, the other equals no shift."""
+    dec = default_engine.decoder
+    prompt, caches, segs, spans = _prompt(default_engine)
+    n = len(prompt.all_ids)
+    runs, recomputed = {}, {}
+    with torch.inference_mode():
+        for parts in ("kv", "k", "v"):
+            kv = KVCache(dec.shape, n, "cpu")
+            report = fused_prefill(dec, segs, kv, BlendConfig(recompute_ratio=0.3, shift_share=0.2, shift_parts=parts))
+            runs[parts], recomputed[parts] = kv, set(report.hkvd_positions.tolist())
+        cos, sin = dec.rope_tables(torch.arange(n))
+    first = BlendConfig().check_layers[0] + 1
+    (a, b), cache = spans[-1], caches[-1]
+    stale = torch.tensor([p for p in range(a, b) if p not in recomputed["v"]])
+    for layer in range(first, dec.shape.num_layers):
+        placed = dec.rope(cache.k[layer], cos[a:b], sin[a:b])[:, stale - a]
+        torch.testing.assert_close(runs["v"].k[layer][:, stale], placed, atol=1e-6, rtol=1e-6)
+    for part in ("k", "v"):
+        full = getattr(runs["kv"], part)[first, :, a:b]
+        assert torch.equal(getattr(runs[part], part)[first, :, a:b], full), part
+        assert not torch.equal(getattr(runs["v" if part == "k" else "k"], part)[first, :, a:b], full), part
+    for bad in ("q", "", "KV"):
+        with pytest.raises(ValueError, match="shift_parts"):
+            BlendConfig(shift_parts=bad)
+        with pytest.raises(CacheBlendError, match="shift_parts"):
+            RequestOptions.parse({"shift_parts": bad})
+
+
 def test_segment_shrunk_means_equal_shrunk_mean_per_segment():
     """The batched shift (one pass over all chunks) is the per-chunk shrunk mean, including
     a one-row segment (no correction) and a segment whose spread swamps its mean."""

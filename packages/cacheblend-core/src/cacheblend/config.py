@@ -28,10 +28,11 @@ CHUNK_SINKS = ("bos", "frame")
 KV_DTYPES = ("float32", "bfloat16", "float16")
 SELECTIONS = ("deviation", "attention", "impact", "probe")
 CHUNK_BUDGETS = ("global", "attention")
+SHIFT_PARTS = ("kv", "k", "v")
 RATIO_MODES = ("auto", "guard")
 # RequestOptions fields that shape the selection (BlendConfig) besides the ratio
 SELECTION_FIELDS = ("check_layers", "deviation", "gradual", "selection", "chunk_heads", "chunk_budget", "probe_share",
-                    "shift_share", "max_risk")
+                    "shift_share", "shift_parts", "max_risk")
 GUARD_MAX_RISK = 0.9  # the guard's default risk limit, chosen on dev (docs/fidelity.md)
 
 
@@ -59,6 +60,8 @@ class BlendConfig:
     *shift*: the mean change the missing context makes to every token of the chunk, per
     layer and head, added to the tokens left stale (:mod:`cacheblend.blend.shift`); the
     probe at ``probe_share=1`` has no check layer to keep a sample at, and no shift.
+    ``shift_parts`` says which of the keys and values the shift moves (``"kv"``, ``"k"``
+    or ``"v"``).
     ``max_risk`` turns on the quality guard: a
     prefill whose fidelity risk (:func:`cacheblend.blend.fusor.first_token_risk`) is above
     it runs again at each ratio of ``guard_ladder`` in turn (1.0: exact, full prefill's K/V)
@@ -75,6 +78,7 @@ class BlendConfig:
     chunk_budget: str = "global"
     probe_share: float = 1.0
     shift_share: float = 0.03  # dev: KL 0.119 -> 0.082 against 0 (docs/fidelity.md)
+    shift_parts: str = "kv"
     max_risk: float | None = None
     guard_ladder: tuple[float, ...] = (1.0,)  # dev: a 30 % rung first was slower and no more faithful
 
@@ -109,6 +113,8 @@ class BlendConfig:
         s = self.shift_share
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0:
             raise ValueError(f"shift_share must be within [0, 1], got {s!r}")
+        if self.shift_parts not in SHIFT_PARTS:
+            raise ValueError(f"shift_parts must be one of {SHIFT_PARTS}, got {self.shift_parts!r}")
         f = self.max_risk
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
             raise ValueError(f"max_risk must be a risk limit within [0, 1] or None, got {f!r}")
@@ -196,6 +202,7 @@ class RequestOptions:
     chunk_budget: str = _BLEND.chunk_budget
     probe_share: float = _BLEND.probe_share
     shift_share: float = _BLEND.shift_share
+    shift_parts: str = _BLEND.shift_parts
     max_risk: float | None = _BLEND.max_risk
     max_new_tokens: int = _SAMPLING.max_new_tokens
     temperature: float = _SAMPLING.temperature
@@ -261,7 +268,8 @@ class RequestOptions:
             config = BlendConfig(recompute_ratio=ratio, check_layers=self.check_layers,  # type: ignore[arg-type]
                                  deviation=self.deviation, gradual=self.gradual, selection=self.selection,
                                  chunk_heads=self.chunk_heads, chunk_budget=self.chunk_budget,
-                                 probe_share=self.probe_share, shift_share=self.shift_share, max_risk=max_risk)
+                                 probe_share=self.probe_share, shift_share=self.shift_share,
+                                 shift_parts=self.shift_parts, max_risk=max_risk)
             if num_layers is not None:
                 config.validate_for(num_layers)
         except (TypeError, ValueError) as e:

@@ -90,6 +90,8 @@ class ChatCacheBlend(BaseChatModel):
     """With ``selection="probe"``: the budget's share chosen by the question probe; the rest by deviation."""
     shift_share: float = _D.shift_share
     """Share of each chunk's tokens, evenly spaced, recomputed to estimate and correct the chunk's shift (0: off)."""
+    shift_parts: Literal["kv", "k", "v"] = _D.shift_parts  # type: ignore[assignment]
+    """Which of the keys and values the chunk shift moves."""
     max_risk: float | None = _D.max_risk
     """The quality guard's risk limit (see ``response_metadata["cacheblend"]["fidelity"]``)."""
     ignore_eos: bool = _D.ignore_eos

@@ -111,6 +111,8 @@ class CacheBlendLLM(CustomLLM):
                                "budget's share chosen by the question probe; the rest by deviation.")
     shift_share: float = Field(default=_D.shift_share, ge=0.0, le=1.0, description="Share of each chunk's tokens, "
                                "evenly spaced, recomputed to estimate and correct the chunk's shift (0: off).")
+    shift_parts: str = Field(default=_D.shift_parts, description="Which of the keys and values the chunk shift "
+                                                                 "moves: 'kv', 'k' or 'v'.")
     max_risk: float | None = Field(default=_D.max_risk, description="The quality guard's risk limit (see "
                                                                     "raw['cacheblend']['fidelity']).")
     seed: int | None = _D.seed
