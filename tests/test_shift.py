@@ -153,6 +153,30 @@ def test_shift_parts_moves_only_the_named_half(default_engine):
             RequestOptions.parse({"shift_parts": bad})
 
 
+def test_shift_values_from_leaves_early_values_unshifted(default_engine):
+    """``shift_values_from=0.5``: below half the depth the stale rows' values are the
+    cached ones exactly, from there on they are shifted; keys are shifted throughout."""
+    dec = default_engine.decoder
+    prompt, caches, segs, spans = _prompt(default_engine)
+    n, layers = len(prompt.all_ids), dec.shape.num_layers
+    kv = KVCache(dec.shape, n, "cpu")
+    with torch.inference_mode():
+        report = fused_prefill(dec, segs, kv, BlendConfig(recompute_ratio=0.3, shift_share=0.2, shift_values_from=0.5))
+        cos, sin = dec.rope_tables(torch.arange(n))
+    recomputed = set(report.hkvd_positions.tolist())
+    (a, b), cache = spans[-1], caches[-1]
+    stale = torch.tensor([p for p in range(a, b) if p not in recomputed])
+    start = round(0.5 * layers)
+    for layer in range(BlendConfig().check_layers[0] + 1, layers):
+        values_kept = torch.equal(kv.v[layer][:, stale], cache.v[layer][:, stale - a])
+        assert values_kept == (layer < start), layer
+        placed = dec.rope(cache.k[layer], cos[a:b], sin[a:b])[:, stale - a]
+        assert not torch.allclose(kv.k[layer][:, stale], placed, atol=1e-6), layer
+    for bad in (-0.1, 1.5, True, "0.3"):
+        with pytest.raises(ValueError, match="shift_values_from"):
+            BlendConfig(shift_values_from=bad)
+
+
 def test_segment_shrunk_means_equal_shrunk_mean_per_segment():
     """The batched shift (one pass over all chunks) is the per-chunk shrunk mean, including
     a one-row segment (no correction) and a segment whose spread swamps its mean."""

@@ -92,6 +92,8 @@ class ChatCacheBlend(BaseChatModel):
     """Share of each chunk's tokens, evenly spaced, recomputed to estimate and correct the chunk's shift (0: off)."""
     shift_parts: Literal["kv", "k", "v"] = _D.shift_parts  # type: ignore[assignment]
     """Which of the keys and values the chunk shift moves."""
+    shift_values_from: float = _D.shift_values_from
+    """The chunk shift moves values only from this fraction of the model's depth on."""
     max_risk: float | None = _D.max_risk
     """The quality guard's risk limit (see ``response_metadata["cacheblend"]["fidelity"]``)."""
     ignore_eos: bool = _D.ignore_eos

@@ -164,7 +164,7 @@ def fused_prefill(
     direct = chosen is not None
     if chosen is not None:  # the probe's tokens: recomputed from layer 0 on, no check layer
         active = torch.nonzero(lay.uncached | chosen).squeeze(1)
-    sample, shift = _shift_sample(config, ratio, direct, lay, reused_spans)
+    sample, shift = _shift_sample(config, ratio, direct, lay, reused_spans, shape.num_layers)
     # After a probe the fused cache already holds every re-positioned reused K/V; only a
     # check layer still reads the caches (deviation compares against them), and a chunk
     # shift, which moves the cached K/V of every layer.
@@ -182,7 +182,7 @@ def fused_prefill(
             k, v = dec.keys_values(layer, x)
             if layer <= last_read:
                 cached = loader.layer(layer)
-                deltas = shift.deltas(active, k, v, cached) \
+                deltas = shift.deltas(active, k, v, cached, layer) \
                     if shift is not None and layer > config.check_layers[0] else None
                 _reposition(dec, kv, layer, reused_spans, cached, cos, sin, deltas)
             if capture is not None:
@@ -281,7 +281,7 @@ def _reposition(dec: Decoder, kv: KVCache, layer: int, spans: list[tuple[int, in
 
 
 def _shift_sample(config: BlendConfig, ratio: float, direct: bool, lay: _Layout,
-                  spans: list[tuple[int, int, Segment]]) -> tuple[Tensor | None, ChunkShift | None]:
+                  spans: list[tuple[int, int, Segment]], num_layers: int) -> tuple[Tensor | None, ChunkShift | None]:
     """The evenly spaced tokens recomputed to estimate each chunk's shift
     (:mod:`cacheblend.blend.shift`), or (None, None) without a check layer to keep them at."""
     if config.shift_share <= 0.0 or not 0.0 < ratio < 1.0 or direct:
@@ -289,7 +289,7 @@ def _shift_sample(config: BlendConfig, ratio: float, direct: bool, lay: _Layout,
     approx = [None if s.exact else (a, b) for a, b, s in spans]
     sample = evenly_spaced([x for x in approx if x is not None], min(config.shift_share, ratio),
                            lay.ids.numel(), lay.ids.device)
-    return sample, ChunkShift(approx, sample, config.shift_parts)
+    return sample, ChunkShift(approx, sample, config.shift_parts, round(config.shift_values_from * num_layers))
 
 
 def first_token_risk(logits: Tensor) -> float:

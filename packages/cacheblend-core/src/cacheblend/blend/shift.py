@@ -43,11 +43,13 @@ class ChunkShift:
     The shifts of all spans come from one batched pass per layer (gather, segment sums):
     a loop over spans cost about 3 % of a 6-chunk blend's TTFT in small ops."""
 
-    def __init__(self, spans: Sequence[tuple[int, int] | None], sample: Tensor, parts: str = "kv") -> None:
+    def __init__(self, spans: Sequence[tuple[int, int] | None], sample: Tensor, parts: str = "kv",
+                 values_from: int = 0) -> None:
         """``spans``: one entry per reused segment, None for an exact one (never shifted);
         ``sample``: the bool mask of :func:`evenly_spaced`; ``parts``: shift the keys
-        (``"k"``), the values (``"v"``) or both (``"kv"``)."""
-        self.spans, self.parts = list(spans), parts
+        (``"k"``), the values (``"v"``) or both (``"kv"``); values only at layers from
+        ``values_from`` on."""
+        self.spans, self.parts, self.values_from = list(spans), parts, values_from
         self._shifted: list[int] = []  # the spans with a sample, in order
         self._offsets: list[Tensor] = []  # their sampled offsets within the span
         positions, segment = [], []
@@ -66,11 +68,11 @@ class ChunkShift:
             self._counts = torch.tensor([o.numel() for o in self._offsets], device=sample.device)
         self._rows: tuple[Tensor, Tensor] | None = None  # (active, rows of the sample in it)
 
-    def deltas(self, active: Tensor, k: Tensor, v: Tensor,
-               cached: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor] | None]:
-        """The shift [KVH, 1, hd] of K (pre-RoPE) and V per span, from the sampled rows'
-        fresh ``k``/``v`` ([KVH, len(active), hd], rows in ``active`` order) against
-        ``cached`` (one (K, V) per span, [KVH, span tokens, hd])."""
+    def deltas(self, active: Tensor, k: Tensor, v: Tensor, cached: Sequence[tuple[Tensor, Tensor]],
+               layer: int) -> list[tuple[Tensor, Tensor] | None]:
+        """The shift [KVH, 1, hd] of K (pre-RoPE) and V per span at ``layer``, from the
+        sampled rows' fresh ``k``/``v`` ([KVH, len(active), hd], rows in ``active`` order)
+        against ``cached`` (one (K, V) per span, [KVH, span tokens, hd])."""
         out: list[tuple[Tensor, Tensor] | None] = [None] * len(self.spans)
         if not self._shifted:
             return out
@@ -85,7 +87,7 @@ class ChunkShift:
         dk, dv = shift[:heads].to(stale.dtype), shift[heads:].to(stale.dtype)
         if "k" not in self.parts:
             dk = torch.zeros_like(dk)
-        if "v" not in self.parts:
+        if "v" not in self.parts or layer < self.values_from:
             dv = torch.zeros_like(dv)
         for j, i in enumerate(self._shifted):
             out[i] = (dk[:, j : j + 1], dv[:, j : j + 1])

@@ -113,6 +113,8 @@ class CacheBlendLLM(CustomLLM):
                                "evenly spaced, recomputed to estimate and correct the chunk's shift (0: off).")
     shift_parts: str = Field(default=_D.shift_parts, description="Which of the keys and values the chunk shift "
                                                                  "moves: 'kv', 'k' or 'v'.")
+    shift_values_from: float = Field(default=_D.shift_values_from, ge=0.0, le=1.0, description="The chunk shift "
+                                     "moves values only from this fraction of the model's depth on.")
     max_risk: float | None = Field(default=_D.max_risk, description="The quality guard's risk limit (see "
                                                                     "raw['cacheblend']['fidelity']).")
     seed: int | None = _D.seed
