@@ -269,13 +269,14 @@ def _report(lay: _Layout, active: Tensor, logits: Tensor, loader: LayerLoader, a
 
 def _reposition(dec: Decoder, kv: KVCache, layer: int, spans: list[tuple[int, int, Segment]],
                 cached: list[tuple[Tensor, Tensor]], cos: Tensor, sin: Tensor,
-                deltas: list[tuple[Tensor, Tensor] | None] | None = None) -> None:
+                deltas: list[tuple[Tensor | None, Tensor | None] | None] | None = None) -> None:
     """Write the reused K/V of one layer into the fused cache, RoPE applied at their real
     offsets, each span moved by its chunk shift when ``deltas`` has one."""
     for i, ((a, b, _), (ck, cv)) in enumerate(zip(spans, cached, strict=True)):
         d = deltas[i] if deltas is not None else None
-        if d is not None:
-            ck, cv = ck + d[0], cv + d[1]
+        if d is not None:  # a half the shift leaves alone (``shift_parts``, ``shift_values_from``) is None
+            ck = ck if d[0] is None else ck + d[0]
+            cv = cv if d[1] is None else cv + d[1]
         kv.k[layer, :, a:b] = dec.rope(ck, cos[a:b], sin[a:b])
         kv.v[layer, :, a:b] = cv
 

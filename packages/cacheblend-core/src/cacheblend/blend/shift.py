@@ -69,12 +69,14 @@ class ChunkShift:
         self._rows: tuple[Tensor, Tensor] | None = None  # (active, rows of the sample in it)
 
     def deltas(self, active: Tensor, k: Tensor, v: Tensor, cached: Sequence[tuple[Tensor, Tensor]],
-               layer: int) -> list[tuple[Tensor, Tensor] | None]:
+               layer: int) -> list[tuple[Tensor | None, Tensor | None] | None]:
         """The shift [KVH, 1, hd] of K (pre-RoPE) and V per span at ``layer``, from the
         sampled rows' fresh ``k``/``v`` ([KVH, len(active), hd], rows in ``active`` order)
-        against ``cached`` (one (K, V) per span, [KVH, span tokens, hd])."""
-        out: list[tuple[Tensor, Tensor] | None] = [None] * len(self.spans)
-        if not self._shifted:
+        against ``cached`` (one (K, V) per span, [KVH, span tokens, hd]); None for a half
+        this layer does not move."""
+        out: list[tuple[Tensor | None, Tensor | None] | None] = [None] * len(self.spans)
+        move_k, move_v = "k" in self.parts, "v" in self.parts and layer >= self.values_from
+        if not self._shifted or not (move_k or move_v):
             return out
         if self._rows is None or self._rows[0] is not active:  # active changes only at check layers
             self._rows = (active, torch.searchsorted(active, self._positions))
@@ -85,12 +87,8 @@ class ChunkShift:
         stale = torch.cat([self._sampled(cached, 0), self._sampled(cached, 1)])
         shift = segment_shrunk_means(fresh.float() - stale.float(), self._segment, self._counts)
         dk, dv = shift[:heads].to(stale.dtype), shift[heads:].to(stale.dtype)
-        if "k" not in self.parts:
-            dk = torch.zeros_like(dk)
-        if "v" not in self.parts or layer < self.values_from:
-            dv = torch.zeros_like(dv)
         for j, i in enumerate(self._shifted):
-            out[i] = (dk[:, j : j + 1], dv[:, j : j + 1])
+            out[i] = (dk[:, j : j + 1] if move_k else None, dv[:, j : j + 1] if move_v else None)
         return out
 
     def _sampled(self, cached: Sequence[tuple[Tensor, Tensor]], which: int) -> Tensor:
