@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cacheblend.blend.attention import positional_attention, split_key_attention
+from cacheblend.blend.attention import AttentionPlan, positional_attention, split_key_attention
 
 
 def _reference(q, k, v, pos, scale, window=None):
@@ -31,6 +31,25 @@ def test_matches_dense_masked_reference(m, window):
     pos = torch.randperm(n)[:m].sort().values
     out = positional_attention(q, k, v, pos, 0.25, window)
     torch.testing.assert_close(out, _reference(q, k, v, pos, 0.25, window), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("first", [0, 37])
+def test_keys_before_each_bucket_are_attended_unmasked_and_merged_exactly(first):
+    """Without a window, each bucket attends to the keys before its first query in one
+    unmasked kernel call and to its own span under a mask, merged by log-sum-exp; a bucket
+    that starts at position 0 has no unmasked part.  Both must equal the dense reference."""
+    torch.manual_seed(3)
+    n = 900
+    pos = torch.cat([torch.tensor([first]), first + 1 + torch.randperm(n - first - 1)[:399].sort().values])
+    plan = AttentionPlan(pos, torch.float32, None, 3)
+    assert plan.split and len(plan.buckets) == 8
+    assert plan.buckets[0].start == first and all(b.start == int(pos[b.rows.start]) for b in plan.buckets)
+    q, k, v = torch.randn(6, pos.numel(), 16), torch.randn(2, n, 16), torch.randn(2, n, 16)
+    torch.testing.assert_close(plan(q, k, v, 0.25), _reference(q, k, v, pos, 0.25), atol=1e-5, rtol=1e-4)
+    half = plan(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.25)  # half precision: attended in float32
+    assert half.dtype == torch.bfloat16
+    ref = _reference(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), pos, 0.25)
+    torch.testing.assert_close(half.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_all_positions_is_plain_causal():
