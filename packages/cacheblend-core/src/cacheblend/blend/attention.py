@@ -57,6 +57,10 @@ class _Bucket:
 class AttentionPlan:
     """Exact causal-by-position attention for queries at sorted positions ``q_pos``."""
 
+    # Attend to the keys before each bucket's first query unmasked, merged by log-sum-exp
+    # (False: one masked call per bucket, the plan before; kept to measure the difference).
+    SPLIT_PREFIX = True
+
     def __init__(self, q_pos: Tensor, dtype: torch.dtype, window: int | None = None, groups: int = 1) -> None:
         m = q_pos.numel()
         self.q_pos = q_pos
@@ -74,7 +78,7 @@ class AttentionPlan:
         # Without a window, the keys before a bucket's first query are visible to all of its
         # rows: they go through the kernel unmasked, and only the bucket's own span carries a
         # mask (a mask over every key is as many bytes as the keys, and rules out no work).
-        self.split = window is None and _FLASH is not None and q_pos.device.type == "cpu"
+        self.split = self.SPLIT_PREFIX and window is None and _FLASH is not None and q_pos.device.type == "cpu"
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             pos = q_pos[a:b]
             end = int(pos[-1]) + 1
