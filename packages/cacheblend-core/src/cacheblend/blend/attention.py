@@ -8,8 +8,8 @@ each bucket only the key prefix it can see (up to its last position).  The keys 
 bucket's first query are visible to all of its rows: they are attended in one unmasked
 call, the bucket's own span in a second call under a mask, and the two are merged by their
 log-sum-exp (exact).  A mask over the whole prefix would be as many bytes as the keys and
-rule out no work: on 3.7K-token prompts the split made blend's TTFT about 9 % shorter at
-15 % and 10 % at 5 % (docs/performance.md).  All of this stays exact — unlike a
+rule out no work: on 3.7K-token prompts the split made blend's TTFT 5–10 % shorter at
+5 % and 15 % (docs/performance.md).  All of this stays exact — unlike a
 bottom-right-aligned causal mask, which lets an early recomputed token see later ones.
 
 The active set is the same on every layer after the last check layer, so the buckets
@@ -82,7 +82,10 @@ class AttentionPlan:
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             pos = q_pos[a:b]
             end = int(pos[-1]) + 1
-            start = int(pos[0]) if self.split else 0 if window is None else max(0, int(pos[0]) - window + 1)
+            if self.split:  # keys before the first query: unmasked, outside the mask
+                start = int(pos[0])
+            else:
+                start = 0 if window is None else max(0, int(pos[0]) - window + 1)
             j = torch.arange(start, end, device=q_pos.device)[None, :]
             hidden = j > pos[:, None]
             if window is not None:
@@ -142,15 +145,12 @@ class _SplitKeyAttention:
     rounding: the merge is the usual softmax-of-partial-sums identity.
     """
 
-    MIN_KEYS = 512  # below this the kernel's fixed cost outweighs the idle core
-    # The CPU flash kernel is the one public-enough op that returns the log-sum-exp the merge
-    # needs (``F.scaled_dot_product_attention`` drops it); without it the plan runs instead.
-    _KERNEL: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)  # noqa: SLF001
+    MIN_KEYS = 512  # below this the kernel's fixed cost outweighs the idle core; without _FLASH the plan runs
 
     def fits(self, dtype: torch.dtype, n: int, capacity: int) -> bool:
         """Whether the split applies: float32 caches (half-precision attention runs through
         the float32 plan) with enough keys and the padding slot inside the cache."""
-        return (self._KERNEL is not None and dtype == torch.float32 and n >= self.MIN_KEYS
+        return (_FLASH is not None and dtype == torch.float32 and n >= self.MIN_KEYS
                 and n + (n % 2) <= capacity)
 
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, n: int, scale: float) -> Tensor:
@@ -169,7 +169,7 @@ class _SplitKeyAttention:
         k2 = k_cache[:, : 2 * half].view(kvh, 2, half, hd).transpose(0, 1)
         v2 = v_cache[:, : 2 * half].view(kvh, 2, half, hd).transpose(0, 1)
         q2 = q.reshape(kvh, h // kvh, hd).expand(2, kvh, h // kvh, hd)
-        out, lse = self._KERNEL(q2, k2, v2, attn_mask=mask, scale=scale)
+        out, lse = _FLASH(q2, k2, v2, attn_mask=mask, scale=scale)
         weights = torch.softmax(lse, dim=0).unsqueeze(-1)  # [2, KVH, groups, 1]
         return (out * weights).sum(0).reshape(h, 1, hd)
 
