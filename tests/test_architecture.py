@@ -13,7 +13,7 @@ import pytest
 
 from cacheblend import CacheBlendError
 from cacheblend.backend import Backend
-from cacheblend.config import ConnectorConfig, EngineConfig, RequestOptions
+from cacheblend.config import ConnectorConfig, EngineConfig, RequestOptions, chunk_sink_for
 from cacheblend.engine import Engine
 from cacheblend.remote import RemoteEngine
 
@@ -67,6 +67,26 @@ def test_one_error_names_an_unknown_option():
         Engine.load("no-such-model", prefetchh=False)
     with pytest.raises(CacheBlendError, match="chunk_sink"):
         EngineConfig(chunk_sink="eos")
+
+
+def test_the_chunk_sink_defaults_to_the_model_familys(tmp_path, default_model_dir):
+    """Unset, the sink is the family's measured choice (Qwen2: the chat frame; others: BOS);
+    set, it is what was set.  The store keys differ with the sink, so caches computed
+    behind one sink are never served to an engine that uses the other."""
+    assert chunk_sink_for(None, "qwen2") == "frame" and chunk_sink_for(None, "llama") == "bos"
+    assert chunk_sink_for("bos", "qwen2") == "bos"
+    from conftest import make_tiny_model
+
+    qwen = make_tiny_model(tmp_path / "qwen2", "qwen2", default_model_dir)
+    text = "The chunk sink test: a passage long enough to be a chunk of its own."
+    keys = {}
+    for folder, sink in ((qwen, None), (qwen, "bos"), (default_model_dir, None)):
+        engine = Engine.load(folder, store="memory", chunk_sink=sink)
+        assert engine.chunks.sink == tuple(engine.prompts.sink_ids(engine.chunk_sink))
+        keys[(str(folder), sink)] = (engine.chunk_sink, engine.handle(text).key)
+    assert keys[(str(qwen), None)][0] == "frame" and keys[(str(qwen), "bos")][0] == "bos"
+    assert keys[(str(default_model_dir), None)][0] == "bos"
+    assert keys[(str(qwen), None)][1] != keys[(str(qwen), "bos")][1]
 
 
 @pytest.mark.parametrize("options, match", [

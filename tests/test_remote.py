@@ -318,3 +318,17 @@ def test_a_server_without_the_connector_is_refused(tmp_path, default_model_dir, 
     with VLLMServer(str(default_model_dir), None, python=str(VLLM_PYTHON), log_path=tmp_path / "plain.log") as plain:
         with pytest.raises(CacheBlendError, match="does not run CacheBlendConnector"):
             RemoteEngine(plain.base_url)
+
+
+def test_the_client_ingests_behind_the_servers_chunk_sink(tmp_path, default_model_dir, server):
+    """A server set to another chunk sink than the model family's: the client learns it at
+    its ping and ingests behind it, so the server stores the chunk (it refuses chunks behind
+    any other sink) under the key a core engine with that sink computes."""
+    text = "Chunk sink test passage: the Quux canal joins the Corge river below Grault."
+    config = kv_transfer_config(f"disk:{tmp_path / 'kv'}", chunk_sink="frame")
+    with VLLMServer(str(default_model_dir), config, python=str(VLLM_PYTHON), log_path=tmp_path / "frame.log") as srv:
+        engine = RemoteEngine(srv.base_url)
+        assert engine.chunk_sink == "frame" and RemoteEngine.shared(server.base_url).chunk_sink == "bos"
+        engine.ingest([text])
+    core = Engine.load(default_model_dir, store="memory", chunk_sink="frame")
+    assert open_store(f"disk:{tmp_path / 'kv'}").open(core.handle(text).key) is not None

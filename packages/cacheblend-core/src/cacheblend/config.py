@@ -25,6 +25,9 @@ from .errors import CacheBlendError
 METHODS = ("full", "prefix", "reuse", "blend")
 DEVIATIONS = ("v", "k", "kv")
 CHUNK_SINKS = ("bos", "frame")
+# The chunk sink a model family gets when the engine is not told one, chosen on dev
+# prompts (docs/fidelity.md, "The chunk sink per model"); families not listed get "bos".
+MODEL_CHUNK_SINKS: Mapping[str, str] = {"qwen2": "frame"}
 KV_DTYPES = ("float32", "bfloat16", "float16")
 SELECTIONS = ("deviation", "attention", "impact", "probe")
 CHUNK_BUDGETS = ("global", "attention")
@@ -302,7 +305,8 @@ class RequestOptions:
 class EngineConfig:
     """Settings of one engine (not of a request).
 
-    ``chunk_sink``: the precompute policy, see :meth:`PromptBuilder.sink_ids`;
+    ``chunk_sink``: the precompute policy, see :meth:`PromptBuilder.sink_ids`; None: the
+    model family's measured choice (:func:`chunk_sink_for`);
     ``prefetch``: pipelined layer loading (off only to measure its effect);
     ``learn_min_chars``: paragraphs at least this long in a chat prompt become chunks;
     ``kv_dtype``: the dtype chunk caches are stored in (None: the model's); ``"bfloat16"``
@@ -317,7 +321,7 @@ class EngineConfig:
 
     device: str = "cpu"
     dtype: str | None = None
-    chunk_sink: str = "bos"
+    chunk_sink: str | None = None
     prefetch: bool = True
     learn_min_chars: int = 200
     kv_dtype: str | None = None
@@ -328,13 +332,21 @@ class EngineConfig:
         for name in ("compile", "pack_weights", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise CacheBlendError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.chunk_sink not in CHUNK_SINKS:
-            raise CacheBlendError(f"chunk_sink must be one of {CHUNK_SINKS}, got {self.chunk_sink!r}")
+        if self.chunk_sink is not None and self.chunk_sink not in CHUNK_SINKS:
+            raise CacheBlendError(f"chunk_sink must be one of {CHUNK_SINKS} or None, got {self.chunk_sink!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise CacheBlendError(f"kv_dtype must be one of {KV_DTYPES} or None, got {self.kv_dtype!r}")
         if isinstance(self.learn_min_chars, bool) or not isinstance(self.learn_min_chars, int) \
                 or self.learn_min_chars < 1:
             raise CacheBlendError(f"learn_min_chars must be a positive int, got {self.learn_min_chars!r}")
+
+
+def chunk_sink_for(policy: str | None, model_type: str) -> str:
+    """The chunk sink an engine on a ``model_type`` model uses: ``policy`` where one was
+    set, else the family's choice from :data:`MODEL_CHUNK_SINKS` ("bos" if unlisted).
+    The engine, the vLLM connector's scheduler and its worker all resolve it here, so they
+    precompute and match chunks behind the same tokens."""
+    return policy if policy is not None else MODEL_CHUNK_SINKS.get(model_type, "bos")
 
 
 @dataclass(frozen=True)
@@ -350,7 +362,7 @@ class ConnectorConfig:
     passages: str | None = None
     stats: str | None = None
     min_tokens: int | None = None
-    chunk_sink: str = EngineConfig.chunk_sink
+    chunk_sink: str | None = EngineConfig.chunk_sink
     kv_dtype: str | None = EngineConfig.kv_dtype
     defaults: RequestOptions = field(default_factory=RequestOptions)
 

@@ -24,7 +24,7 @@ from .backend import Answering, check_request
 from .blend.controller import LoadingController
 from .cache.chunks import ChunkCache
 from .chat import plan_chat
-from .config import EngineConfig, RequestOptions
+from .config import EngineConfig, RequestOptions, chunk_sink_for
 from .errors import CacheBlendError
 from .generate.generation import Generation, Request
 from .models.decoder import Decoder
@@ -60,9 +60,10 @@ class Engine(Answering):
         self.controller = LoadingController()
         self.prompts = PromptBuilder(self.tokenizer)
         self.passages = PassageIndex()  # texts of cached chunks, to find them in formatted prompts
+        self.chunk_sink: str = chunk_sink_for(self.config.chunk_sink, self.decoder.shape.model_type)
         kv_dtype = getattr(torch, self.config.kv_dtype) if self.config.kv_dtype else None
         self.chunks = ChunkCache(self.decoder, store, self.prompts, self.fingerprint,
-                                 self.prompts.sink_ids(self.config.chunk_sink), self.device, self.config.prefetch,
+                                 self.prompts.sink_ids(self.chunk_sink), self.device, self.config.prefetch,
                                  kv_dtype)
         eos = self.tokenizer.eos_token_id
         gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)

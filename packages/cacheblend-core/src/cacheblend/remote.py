@@ -27,7 +27,7 @@ from typing import Any
 from .backend import Answering, check_request
 from .cache.keys import chunk_key
 from .chat import chunk_spans, plan_chat
-from .config import METHODS, SELECTION_FIELDS, EngineConfig, RequestOptions
+from .config import CHUNK_SINKS, METHODS, SELECTION_FIELDS, EngineConfig, RequestOptions
 from .errors import CacheBlendError
 from .passages import PassageIndex
 from .prompt import PromptBuilder, PromptIds
@@ -122,8 +122,8 @@ class RemoteEngine(Answering):
         self.prompts = PromptBuilder(self.tokenizer)
         self.passages = PassageIndex()
         self.config = EngineConfig()
-        self._sink = self.prompts.sink_ids(self.config.chunk_sink)
-        self._check_connector()
+        self.chunk_sink: str = self._check_connector()
+        self._sink = self.prompts.sink_ids(self.chunk_sink)
 
     @classmethod
     def shared(cls, base_url: str, model: str | None = None, *, api_key: str | None = None,
@@ -144,13 +144,19 @@ class RemoteEngine(Answering):
         answer = (reply.model_extra or {}).get("kv_transfer_params") or {}
         return answer.get("cacheblend") or {}
 
-    def _check_connector(self) -> None:
+    def _check_connector(self) -> str:
         """Without the connector a vLLM server ignores our parameters and answers with
-        full prefill, silently: refuse such a server up front."""
-        if self._op(self._sink, {"cacheblend": "ping"}).get("connector") != "CacheBlendConnector":
+        full prefill, silently: refuse such a server up front.  Returns the server's chunk
+        sink, which ingestion must use (the connector refuses chunks behind another)."""
+        answer = self._op(self.prompts.sink_ids("bos"), {"cacheblend": "ping"})
+        if answer.get("connector") != "CacheBlendConnector":
             raise CacheBlendError(
                 f"the server at {self.base_url} answers but does not run CacheBlendConnector; start vLLM with "
                 "--kv-transfer-config (cacheblend.integrations.vllm_server.kv_transfer_config, docs/vllm.md)")
+        sink = answer.get("chunk_sink", "bos")
+        if sink not in CHUNK_SINKS:
+            raise CacheBlendError(f"the server at {self.base_url} names an unknown chunk sink {sink!r}")
+        return str(sink)
 
     def ingest(self, texts: Iterable[str] | str) -> list[ChunkHandle]:
         """Have the server compute and store each chunk's KV (vLLM's own, saved by the

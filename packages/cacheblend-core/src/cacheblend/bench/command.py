@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="dtype chunk caches are stored in "
                    "(default: the model's)")
     p.add_argument("--chunk-sink", default=None, choices=CHUNK_SINKS,
-                   help="what chunk caches are precomputed after (default: the engine's, 'bos')")
+                   help="what chunk caches are precomputed after (default: the model family's choice)")
     p.add_argument("--compile", action="store_true",
                    help="compile the layers' elementwise parts (torch.compile; Engine.load(compile=True))")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))

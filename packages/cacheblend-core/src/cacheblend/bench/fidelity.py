@@ -224,6 +224,6 @@ def study(engine, args, datasets: list[str], chunks: int) -> dict[str, Any]:
         if vs:
             print(f"  {r['variant']:<48} {_signed(vs['agree'])}  {_signed(vs['kl'])}")
     return {"study": {"split": args.split, "chunks": chunks, "model": engine.model_name,
-                      "chunk_sink": engine.config.chunk_sink, "datasets": per,
+                      "chunk_sink": engine.chunk_sink, "datasets": per,
                       "all": pooled, "baselines": baselines},
             "samples": samples_as_dicts(samples)}

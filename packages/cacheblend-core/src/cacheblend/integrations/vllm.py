@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..cache.chunks import LookupCounter
-from ..config import ConnectorConfig
+from ..config import ConnectorConfig, chunk_sink_for
 from ..engine import Engine
 from ..errors import CacheBlendError
 from ..generate.decode import KVCache
@@ -92,6 +92,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
         self.model_dir: str = vllm_config.model_config.model
         self.dtype: torch.dtype = vllm_config.model_config.dtype
         self.num_layers: int = vllm_config.model_config.get_total_num_hidden_layers()
+        # both sides resolve it alike, and every answer names it (a RemoteEngine adopts it)
+        self.chunk_sink: str = chunk_sink_for(self.config.chunk_sink, vllm_config.model_config.hf_config.model_type)
         self.kv_cache_config = kv_cache_config  # its groups' specs build the self-check's attention metadata
         # scheduler side
         self._matcher: ChunkMatcher | None = None
@@ -244,7 +246,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
         receipt = self._receipts.pop(request.request_id, None)
         if not request_params(request):
             return False, None
-        marker = {"connector": type(self).__name__, "chunks": len(spans), "fidelity": receipt}
+        marker = {"connector": type(self).__name__, "chunk_sink": self.chunk_sink, "chunks": len(spans),
+                  "fidelity": receipt}
         if receipt is None and spans:  # blended in this very step: vLLM reads the receipt after this
             self._awaiting[request.request_id] = marker
         return False, {"cacheblend": marker}
@@ -271,7 +274,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         if self._engine is None:
             t = time.perf_counter()
             self._engine = Engine.load(self.model_dir, store=self.config.store, dtype=self.dtype, pack_weights=False,
-                                       chunk_sink=self.config.chunk_sink, kv_dtype=self.config.kv_dtype)
+                                       chunk_sink=self.chunk_sink, kv_dtype=self.config.kv_dtype)
             log.info("CacheBlend engine loaded in %.1f s (store %s)", time.perf_counter() - t, self.config.store)
         return self._engine
 
