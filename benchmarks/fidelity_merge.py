@@ -51,10 +51,23 @@ def load(paths: list[Path]) -> tuple[dict, list[Sample], float]:
     return first, samples, seconds
 
 
-def add_earlier(samples: list[Sample], paths: list[Path], renames: dict[str, str]) -> list[Sample]:
+def parse_renames(pairs: list[str], variants: set[str]) -> dict[str, str]:
+    """``OLD=NEW`` pairs; OLD may itself hold ``=`` (``blend@0.15:shift_share=0=hkvd``), so
+    the split is the one whose left side is a variant of the earlier studies."""
+    renames = {}
+    for pair in pairs:
+        cuts = [i for i, c in enumerate(pair) if c == "=" and pair[:i] in variants]
+        if not cuts:
+            raise SystemExit(f"--rename {pair!r}: no earlier variant before an '='; they are {sorted(variants)}")
+        renames[pair[: cuts[-1]]] = pair[cuts[-1] + 1 :]
+    return renames
+
+
+def add_earlier(samples: list[Sample], paths: list[Path], pairs: list[str]) -> list[Sample]:
     """The earlier studies' variants on this study's prompts (see the module docstring)."""
     full = {(s.dataset, s.example): s for s in samples if s.variant == "full"}
     _, earlier, _ = load(paths)
+    renames = parse_renames(pairs, {s.variant for s in earlier})
     their_full = {(s.dataset, s.example): s for s in earlier if s.variant == "full"}
     for key, mine in full.items():
         theirs = their_full.get(key)
@@ -89,8 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     study, samples, seconds = load(args.studies)
     if args.earlier:
-        renames = dict(r.split("=", 1) for r in args.rename)
-        samples += add_earlier(samples, args.earlier, renames)
+        samples += add_earlier(samples, args.earlier, args.rename)
     if args.baselines:
         study = {**study, "baselines": [b.strip() for b in args.baselines.split(",") if b.strip()]}
     variants = list(dict.fromkeys(s.variant for s in samples if s.variant != "full"))

@@ -57,3 +57,17 @@ def test_a_full_prefill_that_differs_stops_the_merge(tmp_path):
     clash = _merge(str(new), "--earlier", str(_write(tmp_path / "same.json", [_sample(0, "full", 10.0, margin=0.3),
                                                                              _sample(0, "blend@0.15", 2.0)])))
     assert clash.returncode != 0 and "--rename it" in clash.stderr
+
+
+def test_a_variant_name_with_an_equals_sign_is_renamed(tmp_path):
+    """``--rename blend@0.15:shift_share=0=hkvd`` renames that variant (the split at its
+    first '=' named no variant, and the merge used to stop with a clash)."""
+    new = _write(tmp_path / "new.json", [_sample(0, "full", 10.0), _sample(0, "blend@0.15:shift_share=0", 2.0)])
+    old = _write(tmp_path / "old.json", [_sample(0, "full", 10.0), _sample(0, "blend@0.15:shift_share=0", 4.0)])
+    run = _merge(str(new), "--earlier", str(old), "--rename", "blend@0.15:shift_share=0=hkvd",
+                 "--json", str(tmp_path / "out.json"))
+    assert run.returncode == 0, run.stderr
+    assert {s["variant"] for s in json.loads((tmp_path / "out.json").read_text())["samples"]} == {
+        "full", "blend@0.15:shift_share=0", "hkvd"}
+    bad = _merge(str(new), "--earlier", str(old), "--rename", "nothing=x")
+    assert bad.returncode != 0 and "no earlier variant" in bad.stderr
