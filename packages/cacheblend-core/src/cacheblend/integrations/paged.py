@@ -22,7 +22,8 @@ null block), restored afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,15 @@ from torch import Tensor
 WriteFn = Callable[[Tensor, Tensor, Tensor], None]
 _EXACT = 256  # largest index code every cache dtype we read (bf16 and wider) holds exactly
 SCRATCH_BLOCK = 0  # vLLM's null block: never handed to a request; the checks restore it
+
+
+def layer_order(kv_caches: Iterable[str]) -> list[str]:
+    """vLLM's attention-layer names (``model.layers.N.self_attn.attn``) by N, so that layer
+    10 comes after layer 9 (as strings it would follow layer 1)."""
+    def index(name: str) -> int:
+        m = re.search(r"layers\.(\d+)\.", name)
+        return int(m.group(1)) if m else -1
+    return sorted(kv_caches, key=index)
 
 
 def paged_views(cache: Tensor, block_size: int) -> tuple[Tensor, Tensor]:

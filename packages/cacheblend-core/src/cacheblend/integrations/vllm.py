@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from typing import Any
@@ -61,7 +60,7 @@ from ..results import BlendStats
 from ..store import ChunkKV, tier_total
 from ..store.spec import split_spec
 from .kv_params import KVParams, fit_spans, parse_kv_params
-from .paged import LayoutCheck, PagedKV, paged_views
+from .paged import LayoutCheck, PagedKV, layer_order, paged_views
 from .readback import verify
 from .registry import REDIS_PASSAGES_KEY, ChunkMatcher, read_passages, register_passages
 from .vllm_meta import BlendLoad, BlendReceipts, CacheBlendMeta, ChunkSave, LayoutReport, request_params
@@ -72,11 +71,6 @@ __all__ = ["REDIS_PASSAGES_KEY", "CacheBlendConnector", "ChunkMatcher", "paged_v
 log = logging.getLogger("vllm.cacheblend")  # under "vllm", so vLLM's log handler shows it
 
 _LOCK = threading.Lock()  # one stats line at a time
-
-
-def _layer_index(name: str) -> int:
-    m = re.search(r"layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else -1
 
 
 # ---------------------------------------------------------------- the connector
@@ -281,7 +275,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Keep the caches with their attention layers and self-check the layout, at
         start-up: not inside the first request's TTFT, and before any request is blended."""
-        names = sorted(kv_caches, key=_layer_index)
+        names = layer_order(kv_caches)
         attention = self._vllm_config.compilation_config.static_forward_context
         self._paged = PagedKV([kv_caches[n] for n in names], [attention.get(n) for n in names], self.block_size)
         eng = self.engine()
