@@ -195,6 +195,39 @@ def test_fidelity_study_skips_to_fresh_prompts(tiny_folder, tmp_path):
     assert {s["variant"] for s in samples} == {"full", "blend@0.2:selection=probe", BASELINE}
 
 
+def test_a_prompt_over_the_context_is_skipped_not_fatal(tiny_folder, tmp_path):
+    """A prompt that does not fit the model's context (the tiny model's 1,024 tokens; a
+    long multi_news article did this to SmolLM2's 8,192) is listed as skipped, and the
+    study goes on with the rest; it used to end the whole run with an error."""
+    out = tmp_path / "study.json"
+    rc = app(["bench", "--model", str(tiny_folder), "--fidelity-only", "--dataset", "multi_news,hotpotqa",
+              "--limit", "1", "--chunks", "2", "--max-new-tokens", "2", "--variants", "reuse",
+              "--json", str(out), "--plots", ""])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    [skipped] = report["study"]["skipped"]
+    assert (skipped["dataset"], skipped["example"]) == ("multi_news", 0) and skipped["tokens"] > 1024
+    assert {s["dataset"] for s in report["samples"]} == {"hotpotqa"}
+
+
+def test_fidelity_study_takes_a_system_message(tiny_folder, tmp_path):
+    """--system puts a system message into every prompt (the frame a chunk sink may differ
+    from): the study records it, and full prefill's answers change with it."""
+    kl = {}
+    for system in (None, "You answer from the passages, briefly."):
+        out = tmp_path / f"study-{system is None}.json"
+        rc = app(["bench", "--model", str(tiny_folder), "--fidelity-only", "--dataset", "hotpotqa", "--limit", "2",
+                  "--chunks", "2", "--max-new-tokens", "2", "--variants", "reuse", "--json", str(out), "--plots", ""]
+                 + (["--system", system] if system else []))
+        assert rc == 0
+        report = json.loads(out.read_text())
+        assert report["study"]["system"] == system
+        kl[system] = [s["kl"] for s in report["samples"] if s["variant"] == "reuse"]
+    assert kl[None] != kl["You answer from the passages, briefly."]
+    with pytest.raises(SystemExit, match="--system goes with --fidelity-only"):
+        app(["bench", "--model", str(tiny_folder), "--system", "hi"])
+
+
 def test_fidelity_study_rejects_bad_variants(tiny_folder):
     with pytest.raises(SystemExit, match="not field=value"):
         app(["bench", "--model", str(tiny_folder), "--fidelity-only", "--variants", "blend@0.1:colour=red"])

@@ -59,6 +59,9 @@ def add_parser(sub) -> None:
     p.add_argument("--baseline", default=BASELINE, metavar="SPEC",
                    help="with --fidelity-only: the variant paired differences are taken against "
                         "(also run; default: today's HKVD selection)")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="with --fidelity-only: the system message of every prompt (default: none, so the "
+                        "chat template's own)")
     p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help="with --fidelity-only: tokens generated per answer (default: the data set's)")
     p.add_argument("--answer-tokens", type=int, default=64, metavar="N",
@@ -133,6 +136,8 @@ def _checked(args) -> tuple[list[str], list[str], list[int], Path | None]:
     chunk_counts = [int(x) for x in args.chunks.split(",")]
     if args.answer_tokens < 0:
         raise SystemExit(f"cacheblend bench: --answer-tokens must be 0 or more, got {args.answer_tokens}")
+    if args.system is not None and not args.fidelity_only:
+        raise SystemExit("cacheblend bench: --system goes with --fidelity-only")
     if args.fidelity_only:
         from ..errors import CacheBlendError
         from .fidelity import specs_of

@@ -104,15 +104,35 @@ class Sample:
     exact: bool
 
 
+def prompt_tokens(engine, task: Task, ex: Example, system: str | None = None) -> int:
+    """Tokens of ``ex``'s full prompt, chunks precomputed behind the engine's sink included."""
+    chunks = [engine.prompts.chunk_ids(p) for p in ex.passages]
+    sink = len(engine.prompts.sink_ids(engine.chunk_sink))
+    return len(engine.prompts.build(ex.query, chunks, system, task.preamble).all_ids) + sink
+
+
 def run(engine, task: Task, examples: list[Example], specs: list[Spec], max_new_tokens: int | None = None,
-        start: int = 0) -> list[Sample]:
-    """Full prefill and every variant on every example (chunks ingested before timing)."""
+        start: int = 0, system: str | None = None, skipped: list[dict] | None = None) -> list[Sample]:
+    """Full prefill and every variant on every example (chunks ingested before timing).
+
+    An example whose prompt and answer do not fit the model's context is skipped (and listed
+    in ``skipped``) rather than ending the study: the same examples are skipped on every run
+    with the same model and sink, so runs stay paired by prompt."""
     out: list[Sample] = []
-    common = dict(preamble=task.preamble, stop=task.stop, max_new_tokens=max_new_tokens or task.max_new_tokens)
+    new_tokens = max_new_tokens or task.max_new_tokens
+    common = dict(preamble=task.preamble, stop=task.stop, max_new_tokens=new_tokens, system=system)
     full = Spec("full", {"method": "full"})
     for i, ex in enumerate(tqdm(examples, desc=task.name, unit="prompt")):
+        n = prompt_tokens(engine, task, ex, system)
+        if n + new_tokens > engine.context_length:
+            tqdm.write(f"{task.name} example {start + i}: {n} prompt tokens do not fit the model's context of "
+                       f"{engine.context_length} with {new_tokens} to generate; skipped")
+            if skipped is not None:
+                skipped.append({"dataset": task.name, "example": start + i, "tokens": n})
+            continue
         handles = engine.ingest(ex.passages)
-        engine.generate(ex.query, handles, method="reuse", max_new_tokens=1, preamble=task.preamble)  # the prefix
+        engine.generate(ex.query, handles, method="reuse", max_new_tokens=1, preamble=task.preamble,
+                        system=system)  # the prefix
         ref = None
         for spec in [full, *specs]:
             r = engine.generate(ex.query, handles, **{**common, **spec.options})
@@ -208,15 +228,21 @@ def study(engine, args, datasets: list[str], chunks: int) -> dict[str, Any]:
     specs, baseline = specs_of(args.variants, args.baseline)
     names = [s.name for s in specs]
     samples: list[Sample] = []
+    skipped: list[dict] = []
+    system = getattr(args, "system", None)
     for d in datasets:
         task, examples = load_task(d, args.split, args.skip + args.limit, chunks, args.data)
-        samples += run(engine, task, examples[args.skip:], specs, args.max_new_tokens, start=args.skip)
+        samples += run(engine, task, examples[args.skip:], specs, args.max_new_tokens, start=args.skip,
+                       system=system, skipped=skipped)
     baselines = [baseline] + (["reuse"] if "reuse" in names and baseline != "reuse" else [])
-    per = {d: summarise([s for s in samples if s.dataset == d], names, baselines) for d in datasets}
+    ran = [d for d in datasets if any(s.dataset == d for s in samples)]  # all of one may be skipped
+    if not ran:
+        raise CacheBlendError("no prompt of the study fits the model's context")
+    per = {d: summarise([s for s in samples if s.dataset == d], names, baselines) for d in ran}
     pooled = summarise(samples, names, baselines)
     for d, recs in per.items():
         print("\n" + table(recs, f"{d} ({args.split}, {chunks} chunks, {engine.model_name})"))
-    if len(datasets) > 1:
+    if len(ran) > 1:
         print("\n" + table(pooled, f"all data sets pooled ({args.split})"))
     print(f"\npaired differences against {baselines[0]} (pooled): agreement, KL")
     for r in pooled:
@@ -224,6 +250,6 @@ def study(engine, args, datasets: list[str], chunks: int) -> dict[str, Any]:
         if vs:
             print(f"  {r['variant']:<48} {_signed(vs['agree'])}  {_signed(vs['kl'])}")
     return {"study": {"split": args.split, "chunks": chunks, "model": engine.model_name,
-                      "chunk_sink": engine.chunk_sink, "datasets": per,
-                      "all": pooled, "baselines": baselines},
+                      "chunk_sink": engine.chunk_sink, "system": system, "datasets": per,
+                      "all": pooled, "baselines": baselines, "skipped": skipped},
             "samples": samples_as_dicts(samples)}
