@@ -70,23 +70,26 @@ def test_one_error_names_an_unknown_option():
 
 
 def test_the_chunk_sink_defaults_to_the_model_familys(tmp_path, default_model_dir):
-    """Unset, the sink is the family's measured choice (Qwen2: the chat frame; others: BOS);
-    set, it is what was set.  The store keys differ with the sink, so caches computed
-    behind one sink are never served to an engine that uses the other."""
-    assert chunk_sink_for(None, "qwen2") == "frame" and chunk_sink_for(None, "llama") == "bos"
+    """Unset, the sink is the family's measured choice (Qwen2 and Llama: the chat frame;
+    unlisted families: BOS); set, it is what was set.  The store keys differ with the
+    sink, so caches computed behind one sink are never served to an engine that uses the
+    other."""
+    assert chunk_sink_for(None, "qwen2") == "frame" and chunk_sink_for(None, "llama") == "frame"
+    assert chunk_sink_for(None, "gpt2") == "bos"
     assert chunk_sink_for("bos", "qwen2") == "bos"
     from conftest import make_tiny_model
 
     qwen = make_tiny_model(tmp_path / "qwen2", "qwen2", default_model_dir)
     text = "The chunk sink test: a passage long enough to be a chunk of its own."
     keys = {}
-    for folder, sink in ((qwen, None), (qwen, "bos"), (default_model_dir, None)):
+    for folder, sink in ((qwen, None), (qwen, "bos"), (default_model_dir, None), (default_model_dir, "bos")):
         engine = Engine.load(folder, store="memory", chunk_sink=sink)
         assert engine.chunks.sink == tuple(engine.prompts.sink_ids(engine.chunk_sink))
         keys[(str(folder), sink)] = (engine.chunk_sink, engine.handle(text).key)
     assert keys[(str(qwen), None)][0] == "frame" and keys[(str(qwen), "bos")][0] == "bos"
-    assert keys[(str(default_model_dir), None)][0] == "bos"
-    assert keys[(str(qwen), None)][1] != keys[(str(qwen), "bos")][1]
+    assert keys[(str(default_model_dir), None)][0] == "frame"
+    for folder in (qwen, default_model_dir):
+        assert keys[(str(folder), None)][1] != keys[(str(folder), "bos")][1]
 
 
 @pytest.mark.parametrize("options, match", [

@@ -325,10 +325,10 @@ def test_the_client_ingests_behind_the_servers_chunk_sink(tmp_path, default_mode
     its ping and ingests behind it, so the server stores the chunk (it refuses chunks behind
     any other sink) under the key a core engine with that sink computes."""
     text = "Chunk sink test passage: the Quux canal joins the Corge river below Grault."
-    config = kv_transfer_config(f"disk:{tmp_path / 'kv'}", chunk_sink="frame")
-    with VLLMServer(str(default_model_dir), config, python=str(VLLM_PYTHON), log_path=tmp_path / "frame.log") as srv:
+    config = kv_transfer_config(f"disk:{tmp_path / 'kv'}", chunk_sink="bos")
+    with VLLMServer(str(default_model_dir), config, python=str(VLLM_PYTHON), log_path=tmp_path / "bos.log") as srv:
         engine = RemoteEngine(srv.base_url)
-        assert engine.chunk_sink == "frame" and RemoteEngine.shared(server.base_url).chunk_sink == "bos"
+        assert engine.chunk_sink == "bos" and RemoteEngine.shared(server.base_url).chunk_sink == "frame"
         engine.ingest([text])
-    core = Engine.load(default_model_dir, store="memory", chunk_sink="frame")
+    core = Engine.load(default_model_dir, store="memory", chunk_sink="bos")
     assert open_store(f"disk:{tmp_path / 'kv'}").open(core.handle(text).key) is not None

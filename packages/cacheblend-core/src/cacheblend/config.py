@@ -26,8 +26,9 @@ METHODS = ("full", "prefix", "reuse", "blend")
 DEVIATIONS = ("v", "k", "kv")
 CHUNK_SINKS = ("bos", "frame")
 # The chunk sink a model family gets when the engine is not told one, chosen on dev
-# prompts (docs/fidelity.md, "The chunk sink per model"); families not listed get "bos".
-MODEL_CHUNK_SINKS: Mapping[str, str] = {"qwen2": "frame"}
+# prompts (docs/fidelity.md, "The chunk sink per model": Qwen2 on Qwen2.5-Coder-0.5B,
+# Llama on SmolLM2-135M); families not listed get "bos".
+MODEL_CHUNK_SINKS: Mapping[str, str] = {"qwen2": "frame", "llama": "frame"}
 KV_DTYPES = ("float32", "bfloat16", "float16")
 SELECTIONS = ("deviation", "attention", "impact", "probe")
 CHUNK_BUDGETS = ("global", "attention")
