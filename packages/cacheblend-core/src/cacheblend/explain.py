@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -139,12 +139,17 @@ def explain(engine: Engine, query: str, chunks: Sequence[ChunkHandle | str], *, 
     tokens, spans = _tokens(engine, prompt)
     check = blend.check_layers[0]
     probe = _Probe(engine, attention_layer)
-    full_kv = probe.run([Segment(prompt.all_ids)], BlendConfig(), capture_layer=check)
+    # The fresh K/V at the check layer come from the blend's own fused prefill (every token
+    # computed up to the check layer, as at any ratio below 1), not from a separate full
+    # prefill: the two agree only up to rounding, and where the caches are almost exact (a
+    # chunk right behind the frame it was precomputed behind) rounding decides the ranking.
+    segments = engine.chunks.segments(prompt, handles, "blend", LookupCounter())
+    fresh = probe.run(segments, replace(blend, recompute_ratio=1.0), capture_layer=check)
     deviation = torch.zeros(len(tokens))
     cached = [engine.chunks.chunk_source(h, LookupCounter()) for h in handles]
     for (start, end), source in zip(spans, cached, strict=True):
         k, v = source.layer(check)
-        deviation[start:end] = kv_deviation(full_kv[0][:, start:end], full_kv[1][:, start:end], k, v, blend.deviation)
+        deviation[start:end] = kv_deviation(fresh[0][:, start:end], fresh[1][:, start:end], k, v, blend.deviation)
     out = Explanation(tokens, deviation, check, blend.recompute_ratio, options=dict(options),
                       shift_share=blend.shift_share, chunk_spans=list(spans))
     if attention_layer is not None:
