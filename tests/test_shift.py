@@ -26,7 +26,8 @@ def shrunk_mean(diff: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(mean)
     spread = diff.var(1, keepdim=True).sum(-1, keepdim=True)
     power = mean.pow(2).sum(-1, keepdim=True)
-    return mean * (1.0 - spread / (m * power)).clamp(0.0, 1.0)
+    factor = torch.where(power > 0, 1.0 - spread / (m * power), torch.zeros_like(power))  # no mean: no shift
+    return mean * factor.clamp(0.0, 1.0)
 
 def test_evenly_spaced_takes_the_centres_of_equal_parts():
     got = evenly_spaced([(0, 10), (10, 13)], 0.2, 15, torch.device("cpu"))
@@ -61,7 +62,11 @@ def test_stale_rows_carry_the_mean_shift_of_their_chunks_sample(default_engine, 
     """Rebuilt by hand from the fresh K/V the fusor computed: every stale row of a chunk
     holds its cached value plus the (shrunk) mean of (fresh − cached) over the chunk's
     sample, at each layer after the check layer; the sample is recomputed within the
-    budget.  After a probe pass too, which has already placed the unshifted caches."""
+    budget.  After a probe pass too, which has already placed the unshifted caches.
+    Behind the frame sink (SmolLM2's default) the first chunk follows the very frame it was
+    precomputed behind: its cache is exact up to rounding, so its sample's difference can
+    be zero in a head (the reference once divided 0 by 0 there) and its shift is no real
+    correction; every later chunk's is."""
     dec = default_engine.decoder
     ex = load_qa("musique", "dev", limit=1, passages=4)[0]
     prompt, caches, segs, spans = _prompt(default_engine, ex.passages, ex.question)
@@ -90,7 +95,8 @@ def test_stale_rows_carry_the_mean_shift_of_their_chunks_sample(default_engine, 
             stale = torch.tensor([p for p in range(a, b) if p not in recomputed])
             torch.testing.assert_close(kv.v[layer][:, stale].float(), (cached + shift)[:, stale - a],
                                        atol=1e-5, rtol=1e-5)
-            assert float(shift.abs().max()) > 1e-3  # a real correction, not a shrunk-away one
+            if a > spans[0][0] or default_engine.chunk_sink != "frame":
+                assert float(shift.abs().max()) > 1e-3  # a real correction, not a shrunk-away one
 
 
 def test_the_shift_moves_stale_rows_towards_full_prefill(default_engine):
