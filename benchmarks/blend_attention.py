@@ -12,7 +12,6 @@ prefill, and whether both plans gave the same first token.  Issue 15, deliverabl
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -20,6 +19,7 @@ import statistics
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from ab_args import ab_arguments
 
 from cacheblend import Engine
 from cacheblend.blend.attention import AttentionPlan
@@ -29,14 +29,7 @@ PLANS = {"one masked call per bucket": False, "split at the first query": True}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--limit", type=int, default=3, help="musique dev prompts")
-    ap.add_argument("--ratios", default="0.05,0.15")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--data", default=None, help="data folder (default: $CACHEBLEND_DATA)")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--out", default=None, help="JSON output")
-    args = ap.parse_args()
+    args = ab_arguments(__doc__)
     ratios = [float(r) for r in args.ratios.split(",")]
     engine = Engine.load(args.model, store="memory")
     ttft: dict[str, list[float]] = {}

@@ -27,6 +27,7 @@ from .chat import plan_chat
 from .config import EngineConfig, RequestOptions, chunk_sink_for
 from .errors import CacheBlendError
 from .generate.generation import Generation, Request
+from .generate.kv_pool import KVPool
 from .models.decoder import Decoder
 from .models.loader import LoadedModel, load_model
 from .passages import PassageIndex
@@ -57,6 +58,7 @@ class Engine(Answering):
         self.tokenizer = loaded.tokenizer
         self.decoder = Decoder(loaded.model, compile=self.config.compile, pack=self.config.pack_weights)
         self.device = torch.device(self.config.device)
+        self.kv_pool = KVPool(self.config.reuse_kv_buffer)  # one fused KV buffer kept between requests
         self.controller = LoadingController()
         self.prompts = PromptBuilder(self.tokenizer)
         self.passages = PassageIndex()  # texts of cached chunks, to find them in formatted prompts

@@ -271,14 +271,19 @@ def _reposition(dec: Decoder, kv: KVCache, layer: int, spans: list[tuple[int, in
                 cached: list[tuple[Tensor, Tensor]], cos: Tensor, sin: Tensor,
                 deltas: list[tuple[Tensor | None, Tensor | None] | None] | None = None) -> None:
     """Write the reused K/V of one layer into the fused cache, RoPE applied at their real
-    offsets, each span moved by its chunk shift when ``deltas`` has one."""
+    offsets, each span moved by its chunk shift when ``deltas`` has one.  Results go
+    straight into the cache (no temporaries of a span's size where the sum allows): on a
+    fresh request these writes are also the cache's first touch (:mod:`..generate.kv_pool`)."""
     for i, ((a, b, _), (ck, cv)) in enumerate(zip(spans, cached, strict=True)):
-        d = deltas[i] if deltas is not None else None
-        if d is not None:  # a half the shift leaves alone (``shift_parts``, ``shift_values_from``) is None
-            ck = ck if d[0] is None else ck + d[0]
-            cv = cv if d[1] is None else cv + d[1]
-        kv.k[layer, :, a:b] = dec.rope(ck, cos[a:b], sin[a:b])
-        kv.v[layer, :, a:b] = cv
+        dk, dv = deltas[i] if deltas is not None and deltas[i] is not None else (None, None)  # type: ignore[misc]
+        # a half the shift leaves alone (``shift_parts``, ``shift_values_from``) is None
+        dec.rope_into(kv.k[layer, :, a:b], ck if dk is None else ck + dk, cos[a:b], sin[a:b])
+        if dv is None:
+            kv.v[layer, :, a:b] = cv
+        elif cv.dtype == kv.v.dtype:
+            torch.add(cv, dv, out=kv.v[layer, :, a:b])
+        else:  # a cache stored narrower (``kv_dtype``): the sum in its dtype, as before
+            kv.v[layer, :, a:b] = cv + dv
 
 
 def _shift_sample(config: BlendConfig, ratio: float, direct: bool, lay: _Layout,

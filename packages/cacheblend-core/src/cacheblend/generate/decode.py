@@ -19,10 +19,18 @@ class KVCache:
     After the fused prefill it is the engine's ordinary decode cache (paper §5: the fused
     KV replaces the regular prefill output)."""
 
-    def __init__(self, shape: ModelShape, capacity: int, device: torch.device | str) -> None:
+    def __init__(self, shape: ModelShape, capacity: int, device: torch.device | str,
+                 storage: tuple[Tensor, Tensor] | None = None) -> None:
+        """``storage``: flat K and V tensors of at least the cache's size to lay it over
+        (a kept buffer, :mod:`.kv_pool`); None: fresh ones."""
         dims = (shape.num_layers, shape.num_kv_heads, capacity, shape.head_dim)
-        self.k = torch.empty(dims, dtype=shape.dtype, device=device)
-        self.v = torch.empty(dims, dtype=shape.dtype, device=device)
+        numel = dims[0] * dims[1] * dims[2] * dims[3]
+        if storage is None:
+            storage = (torch.empty(numel, dtype=shape.dtype, device=device),
+                       torch.empty(numel, dtype=shape.dtype, device=device))
+        self.storage = storage
+        self.k = storage[0][:numel].view(dims)
+        self.v = storage[1][:numel].view(dims)
         self.capacity = capacity
         self.length = 0
 

@@ -127,10 +127,17 @@ class Generation:
         eng = self.engine
         n = len(self.request.prompt.all_ids)
         budget = min(self.sampling.max_new_tokens, eng.context_length - n)
+        kv = eng.kv_pool.take(eng.decoder.shape, n + budget, eng.device)
+        try:
+            yield from self._run(kv, budget)
+        finally:  # also when the consumer stops early: the buffer goes to the next request
+            eng.kv_pool.give_back(kv)
+
+    def _run(self, kv: KVCache, budget: int) -> Generator[str, None, None]:
+        eng = self.engine
         # Inference mode is entered per step, not around the generator: a consumer may
         # pull each piece on another thread (async adapters do), and the mode is per thread.
         with torch.inference_mode():
-            kv = KVCache(eng.decoder.shape, n + budget, eng.device)
             counter = LookupCounter()
             t = time.perf_counter()
             report = self._prefill(kv, counter)

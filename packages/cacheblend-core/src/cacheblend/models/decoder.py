@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kernels import Kernels, apply_rope, rotate_half
+from .kernels import Kernels, apply_rope, rope_into, rotate_half
 from .packed import PackedWeights
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "Decoder", "ModelShape", "apply_rope", "rotate_half"]
@@ -106,6 +106,13 @@ class Decoder:
     def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """:func:`apply_rope`, compiled when the decoder is."""
         return self.kernels.rope(x, cos, sin)
+
+    def rope_into(self, out: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """:meth:`rope` written into ``out`` (the fused cache), without temporaries when eager."""
+        if self.kernels.compiled:
+            out.copy_(self.kernels.rope(x, cos, sin))
+        else:
+            rope_into(out, x, cos, sin)
 
     def attn_input(self, layer: int, h: Tensor) -> Tensor:
         norm = self.layers[layer].input_layernorm

@@ -40,6 +40,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
+def rope_into(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """:func:`apply_rope` written into ``out`` (a slice of the fused cache) without the
+    result's temporaries: the same products and sum, so the same bits."""
+    torch.mul(x, cos, out=out)
+    out.add_(rotate_half(x) * sin)  # not in place: ``x`` may be stored narrower than ``sin``
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Llama's RMSNorm, as transformers computes it (in float32, then back to ``x``'s dtype)."""
     h = x.to(torch.float32)
