@@ -275,15 +275,14 @@ def _reposition(dec: Decoder, kv: KVCache, layer: int, spans: list[tuple[int, in
     straight into the cache (no temporaries of a span's size where the sum allows): on a
     fresh request these writes are also the cache's first touch (:mod:`..generate.kv_pool`)."""
     for i, ((a, b, _), (ck, cv)) in enumerate(zip(spans, cached, strict=True)):
-        dk, dv = deltas[i] if deltas is not None and deltas[i] is not None else (None, None)  # type: ignore[misc]
+        d = deltas[i] if deltas is not None else None
         # a half the shift leaves alone (``shift_parts``, ``shift_values_from``) is None
+        dk, dv = d if d is not None else (None, None)
         dec.rope_into(kv.k[layer, :, a:b], ck if dk is None else ck + dk, cos[a:b], sin[a:b])
         if dv is None:
             kv.v[layer, :, a:b] = cv
-        elif cv.dtype == kv.v.dtype:
+        else:  # summed in the stored dtype (``kv_dtype``), then cast into the cache
             torch.add(cv, dv, out=kv.v[layer, :, a:b])
-        else:  # a cache stored narrower (``kv_dtype``): the sum in its dtype, as before
-            kv.v[layer, :, a:b] = cv + dv
 
 
 def _shift_sample(config: BlendConfig, ratio: float, direct: bool, lay: _Layout,

@@ -24,7 +24,7 @@ class KVCache:
         """``storage``: flat K and V tensors of at least the cache's size to lay it over
         (a kept buffer, :mod:`.kv_pool`); None: fresh ones."""
         dims = (shape.num_layers, shape.num_kv_heads, capacity, shape.head_dim)
-        numel = dims[0] * dims[1] * dims[2] * dims[3]
+        numel = self.size(shape, capacity)
         if storage is None:
             storage = (torch.empty(numel, dtype=shape.dtype, device=device),
                        torch.empty(numel, dtype=shape.dtype, device=device))
@@ -33,6 +33,11 @@ class KVCache:
         self.v = storage[1][:numel].view(dims)
         self.capacity = capacity
         self.length = 0
+
+    @staticmethod
+    def size(shape: ModelShape, capacity: int) -> int:
+        """Elements of each of K and V for ``capacity`` positions."""
+        return shape.num_layers * shape.num_kv_heads * capacity * shape.head_dim
 
 
 def decode_step(dec: Decoder, kv: KVCache, token_id: int) -> Tensor:

@@ -16,7 +16,6 @@ request holds it, or it is too small) allocates its own, as before.
 
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
@@ -39,7 +38,7 @@ class KVPool:
     def take(self, shape: ModelShape, capacity: int, device: torch.device | str) -> KVCache:
         """A cache of ``capacity`` positions: over the idle storage when it is large enough
         (and of the same dtype and device), else over fresh storage."""
-        numel = math.prod((shape.num_layers, shape.num_kv_heads, capacity, shape.head_dim))
+        numel = KVCache.size(shape, capacity)
         storage = None
         if self.enabled:
             with self._lock:
