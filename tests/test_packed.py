@@ -71,6 +71,22 @@ def test_packed_decoder_matches_the_module_decoder(pair):
             torch.testing.assert_close(packed.logits(h1), plain.logits(h2), atol=1e-4, rtol=1e-4)
 
 
+def test_row_tiles_change_no_result(pair):
+    """Long prompts run the output projection and MLP a tile of rows at a time (their widest
+    temporary would otherwise be mapped afresh every layer); the tiles, an uneven last one
+    included, give each row the result of one untiled product."""
+    for model, pack in ((pair[0], True), (pair[1], False)):
+        dec = Decoder(model.model, pack=pack)
+        assert dec.row_tile >= 256
+        ids = _ids(model)[0]
+        with torch.inference_mode():
+            h = dec.embed(ids)
+            q, _, _ = dec.qkv(0, h)
+            whole = dec.finish(0, h, q)
+            dec.row_tile = 64  # 200 rows: tiles of 64, 64, 64 and 8
+            torch.testing.assert_close(dec.finish(0, h, q), whole, atol=1e-6, rtol=1e-6)
+
+
 def test_pack_weights_is_an_engine_setting(tmp_path, default_model_dir):
     """Off (the vLLM connector's worker, whose weights must stay views of the mapped file),
     the decoder runs transformers' modules; a non-bool is refused by name."""
