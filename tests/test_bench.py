@@ -134,30 +134,57 @@ def test_bench_peer_needs_a_vllm_python(monkeypatch, tmp_path):
         app(["bench", "--peers", "vllm", "--vllm-python", str(tmp_path / "py"), "--plots", ""])
 
 
-def test_bench_runs_the_vllm_peer_with_the_given_python(tiny_folder, tmp_path):
-    """``--peers vllm`` runs ``PYTHON -m cacheblend.bench.vllm_peer SPEC --out OUT`` with the
-    interpreter it is given (here a stand-in that answers like the peer) and merges its records."""
-    fake = tmp_path / "python"
-    fake.write_text(f"#!{sys.executable}\n" + '''import json, sys
+_STAND_IN = f"#!{sys.executable}\n" + '''import json, sys
 args = sys.argv[1:]
 assert args[:2] == ["-m", "cacheblend.bench.vllm_peer"], args
 spec = json.load(open(args[2]))
-assert all(p["ids"] and p["warm"] == p["ids"][:len(p["warm"])] for p in spec["prompts"])
-recs = [{"id": p["id"], "method": m, "ttft_s": 0.01, "first_token": -1}
-        for m in ("vllm_full", "vllm_apc") for p in spec["prompts"]]
+if "--serve" in args:  # interleaved: a prompt per line in, a marked line out, vLLM-like log lines around it
+    for n, line in enumerate(sys.stdin):
+        p = json.loads(line)
+        assert p["ids"] and p["warm"] == p["ids"][:len(p["warm"])], p
+        if n >= DIE_AFTER:
+            sys.exit(3)
+        print("INFO vllm says something", flush=True)
+        print("@@cacheblend-peer " + json.dumps({"id": p["id"], "method": "vllm_full", "ttft_s": 0.01,
+                                                 "first_token": -1}), flush=True)
+    sys.exit(0)
+assert args[args.index("--methods") + 1] == "vllm_apc", args
+recs = [{"id": p["id"], "method": "vllm_apc", "ttft_s": 0.02, "first_token": -1} for p in spec["prompts"]]
 json.dump({"peer": "stand-in", "records": recs}, open(args[args.index("--out") + 1], "w"))
-''')
+'''
+
+
+def _bench_with_stand_in(tiny_folder, tmp_path, die_after: int) -> dict:
+    fake = tmp_path / "python"
+    fake.write_text(_STAND_IN.replace("DIE_AFTER", str(die_after)))
     fake.chmod(0o755)
     out = tmp_path / "bench.json"
-    rc = app(["bench", "--model", str(tiny_folder), "--dataset", "hotpotqa", "--limit", "1", "--chunks", "2",
+    rc = app(["bench", "--model", str(tiny_folder), "--dataset", "hotpotqa", "--limit", "2", "--chunks", "2",
               "--methods", "full", "--answer-tokens", "0", "--peers", "vllm", "--vllm-python", str(fake),
               "--json", str(out), "--plots", ""])
     assert rc == 0
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_bench_runs_the_vllm_peer_with_the_given_python(tiny_folder, tmp_path, capfd):
+    """``--peers vllm`` keeps ``PYTHON -m cacheblend.bench.vllm_peer SPEC --serve`` running and
+    sends it each prompt right after our methods ran it (vLLM's full prefill and ours are timed
+    in the same minute); prefix caching runs afterwards in one batch.  The records merge, and
+    the peer's own log lines pass through to stderr."""
+    report = _bench_with_stand_in(tiny_folder, tmp_path, die_after=99)
     assert "peer_error" not in report
     peers = {r["variant"]: r for r in report["records"] if r.get("peer")}
     assert set(peers) == {"vllm_full", "vllm_apc"} and peers["vllm_full"]["peer"] == "stand-in"
-    assert peers["vllm_full"]["first_token_agreement"] == 0.0 and peers["vllm_full"]["examples"] == 1
+    assert peers["vllm_full"]["interleaved"] and not peers["vllm_apc"]["interleaved"]
+    assert peers["vllm_full"]["first_token_agreement"] == 0.0 and peers["vllm_full"]["examples"] == 2
+    assert "INFO vllm says something" in capfd.readouterr().err
+
+
+def test_a_peer_that_dies_leaves_our_records_standing(tiny_folder, tmp_path):
+    report = _bench_with_stand_in(tiny_folder, tmp_path, die_after=1)
+    assert "vllm peer failed at hotpotqa/2/hotpotqa-1" in report["peer_error"]
+    assert "exited with code 3" in report["peer_error"]
+    assert [r["variant"] for r in report["records"]] == ["full"] and report["records"][0]["examples"] == 2
 
 
 def test_fidelity_study_reports_intervals_and_paired_differences(tiny_folder, tmp_path, capsys):

@@ -97,11 +97,22 @@ def main(args) -> int:
         report["seconds"] = time.perf_counter() - t0
         _write(report, args)
         return 0
-    records, groups = _run(engine, args, datasets, methods, chunk_counts)
+    peer = None
+    if python is not None:  # --peers vllm: its full prefill runs interleaved with ours, prompt by prompt
+        from .peers import InterleavedPeer
+
+        peer = InterleavedPeer(python, str(Path(engine.model_dir).resolve()), args.answer_tokens)
+    try:
+        records, groups = _run(engine, args, datasets, methods, chunk_counts, peer)
+    finally:
+        if peer is not None:
+            peer.close()
     report["records"] = records
-    if python is not None:  # --peers vllm
+    if peer is not None and python is not None:
         try:
-            report["records"] += _peers(engine, groups, python, args.answer_tokens)
+            if peer.error:
+                raise RuntimeError(peer.error)
+            report["records"] += _peers(engine, groups, python, args.answer_tokens, peer.records)
         except (RuntimeError, OSError, subprocess.SubprocessError, KeyError, ValueError) as e:
             report["peer_error"] = str(e)  # our own records stand; say why the peer's are missing
             print(f"cacheblend bench: vLLM peer failed: {e}", file=sys.stderr)
@@ -155,9 +166,11 @@ def _checked(args) -> tuple[list[str], list[str], list[int], Path | None]:
     return datasets, methods, chunk_counts, python
 
 
-def _run(engine, args, datasets: list[str], methods: list[str], chunk_counts: list[int]) -> tuple[list, list]:
+def _run(engine, args, datasets: list[str], methods: list[str], chunk_counts: list[int],
+         peer=None) -> tuple[list, list]:
     """Every variant on every (data set, chunk count): records, and per group what the
-    vLLM peer needs (prompts, full prefill's first tokens and median TTFT)."""
+    vLLM peer needs (prompts, full prefill's first tokens and median TTFT).  An interleaved
+    ``peer`` times each prompt right after our variants did."""
     from .runner import BlendOptions, run_examples, summarise, variants
 
     options = BlendOptions(tuple(int(x) for x in args.check_layers.split(",")), args.gradual)
@@ -167,8 +180,10 @@ def _run(engine, args, datasets: list[str], methods: list[str], chunk_counts: li
     for dataset in datasets:
         for chunks in chunk_counts:
             task, examples = load_task(dataset, args.split, args.limit, chunks, args.data)
+            tag = f"{dataset}/{chunks}/"
+            after = None if peer is None else (lambda p, tag=tag: peer.measure({**p, "id": tag + p["id"]}))
             samples, prompts = run_examples(engine, task, examples, vs, options, desc=f"{dataset} x{chunks}",
-                                            answer_tokens=args.answer_tokens)
+                                            answer_tokens=args.answer_tokens, after_each=after)
             base = {"dataset": dataset, "split": args.split, "chunks": chunks, "model": engine.model_name,
                     "kv_dtype": str(engine.chunks.kv_dtype).removeprefix("torch."),
                     "metric": task.metric, "check_layers": list(options.check_layers), "gradual": options.gradual}
@@ -206,11 +221,15 @@ def _write(report: dict[str, Any], args) -> None:
                 print(f"plot: {path}")
 
 
-def _peers(engine, groups, python: Path, answer_tokens: int) -> list[dict]:
+def _peers(engine, groups, python: Path, answer_tokens: int, interleaved: list[dict]) -> list[dict]:
+    """The peer's records: ``interleaved`` (vLLM's full prefill, timed beside ours) and its
+    prefix caching, run afterwards in one batch (it is no ratio's denominator)."""
     from .peers import peer_records, run_vllm
 
     prompts = [{**p, "id": f"{base['dataset']}/{base['chunks']}/{p['id']}"} for base, ps, _, _ in groups for p in ps]
-    peer = run_vllm(python, str(Path(engine.model_dir).resolve()), prompts, answer_tokens=answer_tokens)
+    peer = run_vllm(python, str(Path(engine.model_dir).resolve()), prompts, answer_tokens=answer_tokens,
+                    methods="vllm_apc")
+    peer["records"] = [{**r, "interleaved": True} for r in interleaved] + peer["records"]
     out = []
     for base, _, full_first, full_ttft in groups:
         prefix = f"{base['dataset']}/{base['chunks']}/"

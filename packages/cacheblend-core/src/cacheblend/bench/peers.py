@@ -37,21 +37,86 @@ def vllm_python(path: str | os.PathLike[str] | None = None) -> Path:
     return exe
 
 
+def _spec(model_dir: str, prompts: list[dict], answer_tokens: int) -> str:
+    return json.dumps({"model": model_dir, "dtype": "float32", "prompts": prompts, "answer_tokens": answer_tokens})
+
+
 def run_vllm(python: str | os.PathLike[str], model_dir: str, prompts: list[dict], timeout_s: int = 3600,
-             answer_tokens: int = 0) -> dict:
-    """The peer's output: records of ``vllm_full`` and ``vllm_apc`` per prompt, from
+             answer_tokens: int = 0, methods: str = "vllm_full,vllm_apc") -> dict:
+    """The peer's output: records of each of ``methods`` per prompt, from
     ``python -m cacheblend.bench.vllm_peer`` run by the vLLM venv's interpreter ``python``
     (with ``answer_tokens``, each prompt also answered with exactly that many tokens)."""
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "prompts.json", Path(tmp) / "peer.json"
-        spec.write_text(json.dumps({"model": model_dir, "dtype": "float32", "prompts": prompts,
-                                    "answer_tokens": answer_tokens}))
+        spec.write_text(_spec(model_dir, prompts, answer_tokens))
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        proc = subprocess.run([str(python), "-m", "cacheblend.bench.vllm_peer", str(spec), "--out", str(out)],
-                              env=env, timeout=timeout_s, stdout=sys.stderr)
+        proc = subprocess.run([str(python), "-m", "cacheblend.bench.vllm_peer", str(spec), "--out", str(out),
+                               "--methods", methods], env=env, timeout=timeout_s, stdout=sys.stderr)
         if proc.returncode != 0:
             raise RuntimeError(f"vllm peer failed with exit code {proc.returncode}")
         return json.loads(out.read_text())
+
+
+class InterleavedPeer:
+    """vLLM's full prefill timed prompt by prompt, right after our methods ran that prompt.
+
+    Why: this machine's speed drifts by up to 1.5× within an hour, so a peer that runs after
+    all of our prompts measures a different machine; one kept loaded (``vllm_peer --serve``)
+    and asked per prompt puts both sides of each ratio in the same minute.  The peer idles
+    while our engine runs (it waits on its input), so the two never share the cores."""
+
+    def __init__(self, python: str | os.PathLike[str], model_dir: str, answer_tokens: int = 0) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        spec = Path(self._tmp.name) / "spec.json"
+        spec.write_text(_spec(model_dir, [], answer_tokens))
+        from .vllm_peer import REPLY
+
+        self._reply = REPLY
+        self.records: list[dict] = []
+        self.error: str | None = None
+        self._proc = subprocess.Popen(
+            [str(python), "-m", "cacheblend.bench.vllm_peer", str(spec), "--out", os.devnull, "--serve"],
+            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def measure(self, prompt: dict) -> dict | None:
+        """Time ``prompt`` ({"id", "ids", "warm"}) in the peer; its record is kept and returned.
+        A peer that died is asked nothing more: :attr:`error` says why, our runs go on."""
+        if self.error is not None:
+            return None
+        try:
+            rec = self._ask(prompt)
+        except (OSError, ValueError, RuntimeError) as e:
+            self.error = f"vllm peer failed at {prompt['id']}: {e}"
+            return None
+        self.records.append(rec)
+        return rec
+
+    def _ask(self, prompt: dict) -> dict:
+        proc = self._proc
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps(prompt) + "\n")
+        proc.stdin.flush()
+        for line in proc.stdout:  # vLLM logs to stdout too: pass its lines on, keep the answer
+            if line.startswith(self._reply):
+                return json.loads(line[len(self._reply):])
+            sys.stderr.write(line)
+        raise RuntimeError(f"it exited with code {proc.wait()}")
+
+    def close(self, timeout_s: float = 120) -> None:
+        """End the peer's input and wait for it to free its engine (killed if it hangs)."""
+        try:
+            rest, _ = self._proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            rest, _ = self._proc.communicate()
+        sys.stderr.write(rest or "")
+        self._tmp.cleanup()
+
+    def __enter__(self) -> InterleavedPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def peer_records(peer: dict, full_first_tokens: dict[str, int], full_ttft_median: float, base: dict) -> list[dict]:
@@ -67,6 +132,7 @@ def peer_records(peer: dict, full_first_tokens: dict[str, int], full_ttft_median
         out.append({
             **base, "method": method, "variant": method, "peer": peer.get("peer", "vllm"),
             "recompute_ratio": 1.0 if method == "vllm_full" else None, "examples": len(recs),
+            "interleaved": all(r.get("interleaved", False) for r in recs),
             "ttft_median_s": statistics.median(ttft), "ttft_p90_s": p90(ttft),
             "speedup_vs_full": full_ttft_median / statistics.median(ttft),
             "quality": None, "first_token_agreement": statistics.mean(agree) if agree else None,

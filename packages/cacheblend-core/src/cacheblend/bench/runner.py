@@ -10,6 +10,7 @@ and is the reference for the fidelity figures.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -68,10 +69,12 @@ class BlendOptions:
 
 
 def run_examples(engine: Engine, task: Task, examples: list[Example], variants_: list[Variant],
-                 options: BlendOptions, desc: str = "", answer_tokens: int = 0) -> tuple[list[Sample], list[dict]]:
+                 options: BlendOptions, desc: str = "", answer_tokens: int = 0,
+                 after_each: Callable[[dict], object] | None = None) -> tuple[list[Sample], list[dict]]:
     """Samples of every variant on every example, and the prompts as token ids (for peers).
     With ``answer_tokens``, each variant also answers once with exactly that many tokens
-    (end to end: TTFT, decode ms per token, total time, memory)."""
+    (end to end: TTFT, decode ms per token, total time, memory).  ``after_each`` is called
+    with each example's prompt once its variants ran (an interleaved peer times it then)."""
     samples: list[Sample] = []
     prompts: list[dict] = []
     common = dict(preamble=task.preamble, stop=task.stop)
@@ -106,6 +109,8 @@ def run_examples(engine: Engine, task: Task, examples: list[Example], variants_:
                 first_token=int(r.first_token_logits.argmax()), text=r.text, answer=answer,
             ))
             bar.update()
+        if after_each is not None:
+            after_each(prompts[-1])
     bar.close()
     return samples, prompts
 

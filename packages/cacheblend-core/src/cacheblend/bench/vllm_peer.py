@@ -23,6 +23,11 @@ token from vLLM's own first- and last-token timestamps.
 
     HF_HUB_OFFLINE=1 .venv-vllm/bin/python -m cacheblend.bench.vllm_peer bench-out/vllm_peer_in.json \
         --out bench-out/vllm_peer.json
+
+With ``--serve`` the peer keeps one ``vllm_full`` engine loaded and times the prompts it is
+sent on stdin, one JSON line each, answering each with a line that starts with :data:`REPLY`.
+``cacheblend bench --peers vllm`` runs it so, sending each prompt right after its own methods
+ran it: on a machine whose speed drifts, both sides of a ratio are timed in the same minute.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+REPLY = "@@cacheblend-peer "  # marks the serve mode's answers among vLLM's own log lines on stdout
 
 
 def set_cpu_env(threads: int, kv_space_gib: int) -> None:
@@ -65,6 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="prefill chunk size; default: max-model-len, i.e. one step per prompt")
     ap.add_argument("--eager", action="store_true", help="skip torch.compile (enforce_eager)")
+    ap.add_argument("--serve", action="store_true",
+                    help="interleaved: after loading vllm_full, time each prompt read from stdin (a JSON line) "
+                         f"and answer with one line starting {REPLY!r}; the input file gives model and settings")
     return ap.parse_args(argv)
 
 
@@ -168,6 +178,26 @@ def run_method(spec: dict, args: argparse.Namespace, method: str) -> list[dict]:
     return records
 
 
+def serve(spec: dict, args: argparse.Namespace) -> None:
+    """Interleaved mode: one ``vllm_full`` engine stays loaded while the caller times its own
+    methods, and times each prompt the caller sends right after them, so both sides of a
+    comparison run at the same moment of a shared, drifting machine.  Stops at end of input."""
+    llm = make_llm(spec, args, apc=False)
+    warm = False
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            prompt = json.loads(line)
+            if not warm:  # absorbs compilation and first-call costs, on a prompt of this length
+                generate(llm, rotated(prompt["ids"]))
+                warm = True
+            rec = measure(llm, prompt, "vllm_full", args.repeats, spec.get("answer_tokens", 0))
+            print(REPLY + json.dumps(rec), flush=True)
+    finally:
+        close(llm)
+
+
 def close(llm: Any) -> None:
     """Stop the engine-core process now: its KV cache and weights would otherwise stay
     allocated until garbage collection happens to reach the client."""
@@ -183,6 +213,10 @@ def main(argv: list[str] | None = None) -> dict:
     set_cpu_env(args.threads, args.kv_space_gib)
     spec = json.loads(Path(args.input).read_text())
     import vllm
+
+    if args.serve:
+        serve(spec, args)
+        return {}
 
     records = [r for m in args.methods.split(",") for r in run_method(spec, args, m)]
     env_keys = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")
