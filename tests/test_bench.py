@@ -139,6 +139,7 @@ args = sys.argv[1:]
 assert args[:2] == ["-m", "cacheblend.bench.vllm_peer"], args
 spec = json.load(open(args[2]))
 if "--serve" in args:  # interleaved: a prompt per line in, a marked line out, vLLM-like log lines around it
+    print('@@cacheblend-peer {"ready": true}', flush=True)
     for n, line in enumerate(sys.stdin):
         p = json.loads(line)
         assert p["ids"] and p["warm"] == p["ids"][:len(p["warm"])], p

@@ -77,6 +77,10 @@ class InterleavedPeer:
         self._proc = subprocess.Popen(
             [str(python), "-m", "cacheblend.bench.vllm_peer", str(spec), "--out", os.devnull, "--serve"],
             env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:  # loading vLLM takes both cores for a while: none of our timing may overlap it
+            self._answer()
+        except (OSError, ValueError, RuntimeError) as e:
+            self.error = f"vllm peer failed to start: {e}"
 
     def measure(self, prompt: dict) -> dict | None:
         """Time ``prompt`` ({"id", "ids", "warm"}) in the peer; its record is kept and returned.
@@ -92,10 +96,14 @@ class InterleavedPeer:
         return rec
 
     def _ask(self, prompt: dict) -> dict:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(prompt) + "\n")
+        self._proc.stdin.flush()
+        return self._answer()
+
+    def _answer(self) -> dict:
         proc = self._proc
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps(prompt) + "\n")
-        proc.stdin.flush()
+        assert proc.stdout is not None
         for line in proc.stdout:  # vLLM logs to stdout too: pass its lines on, keep the answer
             if line.startswith(self._reply):
                 return json.loads(line[len(self._reply):])

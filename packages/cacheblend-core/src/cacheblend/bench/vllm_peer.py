@@ -183,6 +183,7 @@ def serve(spec: dict, args: argparse.Namespace) -> None:
     methods, and times each prompt the caller sends right after them, so both sides of a
     comparison run at the same moment of a shared, drifting machine.  Stops at end of input."""
     llm = make_llm(spec, args, apc=False)
+    print(REPLY + json.dumps({"ready": True}), flush=True)  # loaded: the caller's timing may start
     warm = False
     try:
         for line in sys.stdin:
