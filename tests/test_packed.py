@@ -87,6 +87,45 @@ def test_row_tiles_change_no_result(pair):
             torch.testing.assert_close(dec.finish(0, h, q), whole, atol=1e-6, rtol=1e-6)
 
 
+def test_onednn_weights_give_the_packed_products(pair):
+    """Every product on weights reordered for oneDNN (the default where the weights are packed
+    float32): the same numbers as the ``[in, out]`` products up to float reordering, layer by
+    layer and through the head, for a prompt and for one row."""
+    model = pair[0]
+    fast, plain = Decoder(model.model, pack=True), Decoder(model.model, pack=True, onednn=False)
+    assert fast.dnn is not None and plain.dnn is None
+    ids = _ids(model)[0]
+    with torch.inference_mode():
+        for rows in (ids, ids[-1:]):
+            h1, h2 = fast.embed(rows), plain.embed(rows)
+            for layer in range(fast.shape.num_layers):
+                x = fast.attn_input(layer, h1)
+                for a, b in zip((*fast.qkv(layer, h1), fast.queries(layer, x), *fast.keys_values(layer, x)),
+                                (*plain.qkv(layer, h2), plain.queries(layer, x), *plain.keys_values(layer, x)),
+                                strict=True):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+                q1, q2 = fast.qkv(layer, h1)[0], plain.qkv(layer, h2)[0]
+                h1, h2 = fast.finish(layer, h1, q1), plain.finish(layer, h2, q2)
+                torch.testing.assert_close(h1, h2, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(fast.logits(h1), plain.logits(h2), atol=1e-4, rtol=1e-4)
+
+
+def test_onednn_weights_are_an_engine_setting(tmp_path, default_model_dir):
+    """On by default; off, or with ``compile`` (whose graphs take plain tensors), the products
+    run on the packed weights; greedy answers are the same either way; a non-bool is refused."""
+    from cacheblend import Engine
+    from cacheblend.errors import CacheBlendError
+
+    folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    on, off = Engine.load(folder, store="memory"), Engine.load(folder, store="memory", onednn_weights=False)
+    assert on.decoder.dnn is not None and off.decoder.dnn is None
+    assert Engine.load(folder, store="memory", compile=True).decoder.dnn is None
+    assert on.generate(QUERY, PASSAGES, max_new_tokens=8).token_ids == \
+        off.generate(QUERY, PASSAGES, max_new_tokens=8).token_ids
+    with pytest.raises(CacheBlendError, match="onednn_weights must be True or False"):
+        Engine.load(folder, store="memory", onednn_weights=1)
+
+
 def test_pack_weights_is_an_engine_setting(tmp_path, default_model_dir):
     """Off (the vLLM connector's worker, whose weights must stay views of the mapped file),
     the decoder runs transformers' modules; a non-bool is refused by name."""

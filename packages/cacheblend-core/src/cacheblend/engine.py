@@ -56,7 +56,8 @@ class Engine(Answering):
         self.model_name = loaded.name
         self.fingerprint: str = loaded.fingerprint
         self.tokenizer = loaded.tokenizer
-        self.decoder = Decoder(loaded.model, compile=self.config.compile, pack=self.config.pack_weights)
+        self.decoder = Decoder(loaded.model, compile=self.config.compile, pack=self.config.pack_weights,
+                               onednn=self.config.onednn_weights)
         self.device = torch.device(self.config.device)
         self.kv_pool = KVPool(self.config.reuse_kv_buffer)  # one fused KV buffer kept between requests
         self.controller = LoadingController()

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kernels import Kernels, apply_rope, rope_into, rotate_half
+from .kernels import Kernels, apply_rope, finish, rope_into, rotate_half
+from .onednn import OneDnnWeights, linear
 from .packed import PackedWeights
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "Decoder", "ModelShape", "apply_rope", "rotate_half"]
@@ -51,13 +52,15 @@ class ModelShape:
 class Decoder:
     """Runs a transformers ``*ForCausalLM`` (Llama family) one layer at a time."""
 
-    def __init__(self, hf_model: Any, compile: bool = False, pack: bool = True) -> None:
+    def __init__(self, hf_model: Any, compile: bool = False, pack: bool = True, onednn: bool = True) -> None:
         """``hf_model``: a transformers ``*ForCausalLM`` (typed loosely: its submodules are
         reached by name).  Where the layers have the plain Llama shape (SiLU gating, no MLP
         biases): ``pack`` re-lays the projection weights for fast one-row products
         (:mod:`.packed`; the HF model is re-pointed at the packed tensors, no copy is kept),
         and ``compile`` runs RMSNorm, RoPE and the output projection + MLP through
-        ``torch.compile`` (:mod:`.kernels`).  Otherwise transformers' modules run as they are."""
+        ``torch.compile`` (:mod:`.kernels`); ``onednn`` (packed, not compiled) runs every
+        product on weights reordered for oneDNN (:mod:`.onednn`).  Otherwise transformers'
+        modules run as they are."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -92,6 +95,9 @@ class Decoder:
         plain = getattr(cfg, "hidden_act", None) in ("silu", "swish") and _plain_layers(self.layers)
         self.packed: PackedWeights | None = PackedWeights.pack(hf_model) if pack and plain else None
         self.kernels = Kernels(compile and self.packed is not None)
+        self.dnn: OneDnnWeights | None = None
+        if onednn and self.packed is not None and not self.kernels.compiled:
+            self.dnn = OneDnnWeights.reorder(self.packed, self._q_width)
         inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
         row_bytes = 2 * inter * self.shape.dtype.itemsize  # the gate and up products of one row
         self.row_tile: int = max(_MIN_ROW_TILE, _TILE_BYTES // row_bytes)
@@ -171,6 +177,10 @@ class Decoder:
         """Columns ``start:end`` of ``x`` times the layer's packed q/k/v weight (and bias)."""
         assert self.packed is not None
         p = self.packed.layers[layer]
+        if self.dnn is not None:  # the three column ranges the callers take, each reordered
+            d = self.dnn.layers[layer]
+            w = d.qkv if end is None and start == 0 else d.q if start == 0 else d.kv
+            return linear(x, w, None if p.qkv_bias is None else p.qkv_bias[start:end])
         w = p.qkv[:, start:end]
         if p.qkv_bias is None:
             return x @ w
@@ -198,6 +208,10 @@ class Decoder:
     def _finish_rows(self, layer: int, h: Tensor, attn: Tensor) -> Tensor:
         """:meth:`finish` of ``h`` [n, d] with the attention output ``attn`` [n, H·hd]."""
         blk = self.layers[layer]
+        if self.dnn is not None:
+            assert self.packed is not None  # oneDNN weights are reordered from the packed ones
+            d, p, norm = self.dnn.layers[layer], self.packed.layers[layer], blk.post_attention_layernorm
+            return finish(h, attn, d.o, p.o_bias, norm.weight, norm.variance_epsilon, d.gate_up, d.down, linear)
         if self.packed is not None:
             p, norm = self.packed.layers[layer], blk.post_attention_layernorm
             return self.kernels.finish(h, attn, p.o, p.o_bias, norm.weight, norm.variance_epsilon,
@@ -206,6 +220,8 @@ class Decoder:
         return h + blk.mlp(blk.post_attention_layernorm(h))
 
     def logits(self, h: Tensor) -> Tensor:
+        if self.dnn is not None and self.dnn.head is not None:
+            return linear(self.final_norm(h), self.dnn.head).float()
         if self.packed is not None and self.packed.head is not None:
             return (self.final_norm(h) @ self.packed.head).float()
         return self.lm_head(self.final_norm(h)).float()

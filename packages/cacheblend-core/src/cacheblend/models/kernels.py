@@ -55,14 +55,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def finish(h: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, norm_w: Tensor, eps: float,
-           w_gate_up: Tensor, wd: Tensor) -> Tensor:
+           w_gate_up: Tensor, wd: Tensor, mm: Callable[[Tensor, Tensor], Tensor] = torch.matmul) -> Tensor:
     """Output projection and residual, then RMSNorm, the SiLU-gated MLP and its residual.
     ``attn`` is [n, H·hd]; the weights are packed ``[in, out]`` (:mod:`.packed`), gate and
-    up side by side in ``w_gate_up``."""
-    o = attn @ wo
+    up side by side in ``w_gate_up``, or reordered for ``mm`` (:func:`.onednn.linear`)."""
+    o = mm(attn, wo)
     h = h + (o if bo is None else o + bo)
-    gate, up = (rms_norm(h, norm_w, eps) @ w_gate_up).chunk(2, dim=-1)
-    return h + (F.silu(gate) * up) @ wd
+    gate, up = mm(rms_norm(h, norm_w, eps), w_gate_up).chunk(2, dim=-1)
+    return h + mm(F.silu(gate) * up, wd)
 
 
 class Kernels:
