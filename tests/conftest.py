@@ -17,7 +17,7 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 from cacheblend import Engine  # noqa: E402
-from cacheblend.models.loader import resolve_model_dir  # noqa: E402
+from cacheblend.models.loader import load_model, resolve_model_dir  # noqa: E402
 
 PASSAGES = [
     "Marie Curie was a physicist and chemist who conducted pioneering research on radioactivity. "
@@ -55,6 +55,19 @@ def default_model_dir():
 @pytest.fixture(scope="session")
 def default_engine(default_model_dir):
     return Engine.load(default_model_dir, store="memory")
+
+
+_REFERENCES: dict[str, object] = {}
+
+
+def reference_model(engine):
+    """transformers' own model for ``engine``'s folder, loaded apart and kept per folder: the
+    engine's decoder takes the projection weights away from the copy it runs on
+    (``models/onednn.py``), so the reference forward needs its own."""
+    key = str(engine.model_dir)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = load_model(engine.model_dir).model.eval()
+    return _REFERENCES[key]
 
 
 def make_tiny_model(folder, family: str, tokenizer_dir, dtype=torch.float32, tie: bool = False):

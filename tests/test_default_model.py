@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cacheblend import Engine
-from conftest import PASSAGES, QUERY
+from conftest import PASSAGES, QUERY, reference_model
 
 pytestmark = pytest.mark.slow
 GEN = dict(max_new_tokens=16)
@@ -17,7 +17,7 @@ def test_full_equals_transformers_generate(default_engine):
     full = default_engine.generate(QUERY, handles, method="full", **GEN)
     ids = torch.tensor([default_engine.prompts.build(QUERY, [list(h.token_ids) for h in handles], None).all_ids])
     with torch.inference_mode():
-        out = default_engine.decoder.hf_model.generate(ids, max_new_tokens=GEN["max_new_tokens"], do_sample=False)
+        out = reference_model(default_engine).generate(ids, max_new_tokens=GEN["max_new_tokens"], do_sample=False)
     ref = [t for t in out[0, ids.shape[1]:].tolist() if t not in default_engine.eos_ids]
     assert full.token_ids == ref
     assert full.text.strip()

@@ -14,7 +14,7 @@ from cacheblend.blend.attention import split_key_attention
 from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
 from cacheblend.blend.selection import BlendConfig
 from cacheblend.models.decoder import apply_rope
-from conftest import PASSAGES, QUERY
+from conftest import PASSAGES, QUERY, reference_model
 
 GEN = dict(max_new_tokens=12)
 
@@ -31,7 +31,7 @@ def test_full_matches_transformers_forward_and_generate(tiny_engine):
     handles = tiny_engine.ingest(PASSAGES)
     full = tiny_engine.generate(QUERY, handles, method="full", **GEN)
     ids = torch.tensor([_prompt_ids(tiny_engine, handles)])
-    hf = tiny_engine.decoder.hf_model
+    hf = reference_model(tiny_engine)
     with torch.inference_mode():
         ref_logits = hf(ids).logits[0, -1].float()
         ref = hf.generate(ids, max_new_tokens=GEN["max_new_tokens"], do_sample=False,
@@ -135,6 +135,6 @@ def test_long_prompt_decode_matches_transformers_generate(tiny_engine):
     ids = torch.tensor([_prompt_ids(tiny_engine, handles)])
     assert split_key_attention.MIN_KEYS < ids.shape[1] < 1000
     with torch.inference_mode():
-        ref = tiny_engine.decoder.hf_model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+        ref = reference_model(tiny_engine).generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
                                                     pad_token_id=0)[0, ids.shape[1]:].tolist()
     assert full.token_ids == ref[: len(full.token_ids)]

@@ -39,7 +39,7 @@ def test_packing_keeps_the_hf_model_and_its_memory(pair):
     with torch.inference_mode():
         before = packed_model.model(ids).logits
     bytes_before = _storage_bytes(packed_model.model)
-    dec = Decoder(packed_model.model, pack=True)
+    dec = Decoder(packed_model.model, pack=True, onednn=False)
     assert dec.packed is not None and dec.packed.head is not None
     assert _storage_bytes(packed_model.model) == bytes_before  # the packed tensors replace the originals
     head, embed = packed_model.model.lm_head, packed_model.model.model.embed_tokens
@@ -52,7 +52,7 @@ def test_packing_keeps_the_hf_model_and_its_memory(pair):
 def test_packed_decoder_matches_the_module_decoder(pair):
     """Layer by layer and through the head, on a prompt and on one row (a decode step)."""
     packed_model, plain_model, _ = pair
-    packed = Decoder(packed_model.model, pack=True)
+    packed = Decoder(packed_model.model, pack=True, onednn=False)
     plain = Decoder(plain_model.model, pack=False)
     assert packed.packed is not None and plain.packed is None
     ids = _ids(packed_model)[0]
@@ -76,7 +76,7 @@ def test_row_tiles_change_no_result(pair):
     temporary would otherwise be mapped afresh every layer); the tiles, an uneven last one
     included, give each row the result of one untiled product."""
     for model, pack in ((pair[0], True), (pair[1], False)):
-        dec = Decoder(model.model, pack=pack)
+        dec = Decoder(model.model, pack=pack, onednn=False)
         assert dec.row_tile >= 256
         ids = _ids(model)[0]
         with torch.inference_mode():
@@ -87,15 +87,28 @@ def test_row_tiles_change_no_result(pair):
             torch.testing.assert_close(dec.finish(0, h, q), whole, atol=1e-6, rtol=1e-6)
 
 
-def test_onednn_weights_give_the_packed_products(pair):
+@pytest.mark.parametrize("family,tie", [("llama", True), ("qwen2", False)])
+def test_onednn_weights_give_the_packed_products(tmp_path, default_model_dir, family, tie):
     """Every product on weights reordered for oneDNN (the default where the weights are packed
     float32): the same numbers as the ``[in, out]`` products up to float reordering, layer by
-    layer and through the head, for a prompt and for one row."""
-    model = pair[0]
-    fast, plain = Decoder(model.model, pack=True), Decoder(model.model, pack=True, onednn=False)
-    assert fast.dnn is not None and plain.dnn is None
-    ids = _ids(model)[0]
+    layer, in row tiles and through the head, for a prompt and for one row (qwen2: q/k/v
+    biases).  The reordered copy is then the only one: transformers' projections are released
+    (its forward raises, never computes zeros from meta weights), a tied embedding keeps a
+    table of its own."""
+    folder = make_tiny_model(tmp_path / family, family, default_model_dir, tie=tie)
+    fast_model, plain_model = load_model(folder), load_model(folder)
+    fast = Decoder(fast_model.model, pack=True)
+    plain = Decoder(plain_model.model, pack=True, onednn=False)
+    assert fast.dnn is not None and fast.packed is None and plain.dnn is None
+    blk, hf = fast_model.model.model.layers[0], fast_model.model
+    assert blk.self_attn.q_proj.weight.is_meta and blk.mlp.down_proj.weight.is_meta and hf.lm_head.weight.is_meta
+    assert not hf.model.embed_tokens.weight.is_meta and not blk.input_layernorm.weight.is_meta
+    ids = _ids(fast_model)[0]
     with torch.inference_mode():
+        torch.testing.assert_close(fast.embed(ids), plain.embed(ids), atol=0, rtol=0)
+        with pytest.raises(RuntimeError, match="reordered for oneDNN .* onednn_weights=False"):
+            fast_model.model(ids[None])
+        fast.row_tile = plain.row_tile = 64
         for rows in (ids, ids[-1:]):
             h1, h2 = fast.embed(rows), plain.embed(rows)
             for layer in range(fast.shape.num_layers):
@@ -133,8 +146,9 @@ def test_pack_weights_is_an_engine_setting(tmp_path, default_model_dir):
     from cacheblend.errors import CacheBlendError
 
     folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
-    assert Engine.load(folder, store="memory", pack_weights=False).decoder.packed is None
-    assert Engine.load(folder, store="memory").decoder.packed is not None
+    off = Engine.load(folder, store="memory", pack_weights=False).decoder
+    assert off.packed is None and off.dnn is None
+    assert Engine.load(folder, store="memory", onednn_weights=False).decoder.packed is not None
     with pytest.raises(CacheBlendError, match="pack_weights must be True or False"):
         Engine.load(folder, store="memory", pack_weights="no")
 

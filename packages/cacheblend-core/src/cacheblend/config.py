@@ -319,8 +319,9 @@ class EngineConfig:
     slower, same memory) — off where the weights must stay views of the memory-mapped
     safetensors file (the vLLM connector's worker, which shares those pages with other
     processes); ``onednn_weights``: with packed float32 weights and no ``compile``, run every
-    product on a copy of the weights reordered for oneDNN (``models/onednn.py``: full prefill
-    about a fifth faster, decode a tenth; about 0.7 GB more memory on SmolLM2-135M);
+    product on the weights reordered once for oneDNN (``models/onednn.py``: faster prefill and
+    decode; transformers' modules lose their projection weights; 0.14 GB more resident memory
+    on SmolLM2-135M, for q and k/v reordered apart and an embedding table of its own);
     ``reuse_kv_buffer``: keep the fused KV buffer of a finished request for the
     next one (:mod:`cacheblend.generate.kv_pool`: its pages are already mapped, which saves
     tens of milliseconds of page faults per request; holds one buffer the size of the

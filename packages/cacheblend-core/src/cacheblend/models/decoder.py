@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .kernels import Kernels, apply_rope, finish, rope_into, rotate_half
-from .onednn import OneDnnWeights, linear
+from .onednn import OneDnnWeights, give_back_freed_memory, linear, release
 from .packed import PackedWeights
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "Decoder", "ModelShape", "apply_rope", "rotate_half"]
@@ -59,7 +59,8 @@ class Decoder:
         (:mod:`.packed`; the HF model is re-pointed at the packed tensors, no copy is kept),
         and ``compile`` runs RMSNorm, RoPE and the output projection + MLP through
         ``torch.compile`` (:mod:`.kernels`); ``onednn`` (packed, not compiled) runs every
-        product on weights reordered for oneDNN (:mod:`.onednn`).  Otherwise transformers'
+        product on weights reordered for oneDNN (:mod:`.onednn`), which then replace the
+        packed ones: ``hf_model``'s own forward no longer runs.  Otherwise transformers'
         modules run as they are."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -98,6 +99,11 @@ class Decoder:
         self.dnn: OneDnnWeights | None = None
         if onednn and self.packed is not None and not self.kernels.compiled:
             self.dnn = OneDnnWeights.reorder(self.packed, self._q_width)
+            if self.dnn is not None:  # one copy of the weights: the reordered one
+                release(hf_model, head=self.dnn.head is not None)
+                self.packed = None
+                give_back_freed_memory()
+        self._modules = self.packed is None and self.dnn is None  # transformers' modules run as they are
         inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
         row_bytes = 2 * inter * self.shape.dtype.itemsize  # the gate and up products of one row
         self.row_tile: int = max(_MIN_ROW_TILE, _TILE_BYTES // row_bytes)
@@ -134,13 +140,13 @@ class Decoder:
     def queries(self, layer: int, x: Tensor) -> Tensor:
         """Queries [H, n, hd] (before RoPE) of normalized hidden states ``x`` [n, d]."""
         attn = self.layers[layer].self_attn
-        q = attn.q_proj(x) if self.packed is None else self._project(layer, x, 0, self._q_width)
+        q = attn.q_proj(x) if self._modules else self._project(layer, x, 0, self._q_width)
         return self._q_heads(attn, q)
 
     def keys_values(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (before RoPE) and values, each [KVH, n, hd]."""
         attn = self.layers[layer].self_attn
-        if self.packed is None:
+        if self._modules:
             return self._kv_heads(attn, attn.k_proj(x), attn.v_proj(x))
         k, v = self._project(layer, x, self._q_width, None).chunk(2, dim=-1)
         return self._kv_heads(attn, k, v)
@@ -149,7 +155,7 @@ class Decoder:
         """Query, key (pre-RoPE) and value of hidden states ``h`` [n, d] at ``layer`` (one
         product when the weights are packed: a decode step's three become one)."""
         x = self.attn_input(layer, h)
-        if self.packed is None:
+        if self._modules:
             return (self.queries(layer, x), *self.keys_values(layer, x))
         attn = self.layers[layer].self_attn
         kv_width = self.shape.num_kv_heads * self.shape.head_dim
@@ -175,12 +181,12 @@ class Decoder:
 
     def _project(self, layer: int, x: Tensor, start: int, end: int | None) -> Tensor:
         """Columns ``start:end`` of ``x`` times the layer's packed q/k/v weight (and bias)."""
-        assert self.packed is not None
-        p = self.packed.layers[layer]
         if self.dnn is not None:  # the three column ranges the callers take, each reordered
             d = self.dnn.layers[layer]
             w = d.qkv if end is None and start == 0 else d.q if start == 0 else d.kv
-            return linear(x, w, None if p.qkv_bias is None else p.qkv_bias[start:end])
+            return linear(x, w, None if d.qkv_bias is None else d.qkv_bias[start:end])
+        assert self.packed is not None
+        p = self.packed.layers[layer]
         w = p.qkv[:, start:end]
         if p.qkv_bias is None:
             return x @ w
@@ -209,9 +215,8 @@ class Decoder:
         """:meth:`finish` of ``h`` [n, d] with the attention output ``attn`` [n, H·hd]."""
         blk = self.layers[layer]
         if self.dnn is not None:
-            assert self.packed is not None  # oneDNN weights are reordered from the packed ones
-            d, p, norm = self.dnn.layers[layer], self.packed.layers[layer], blk.post_attention_layernorm
-            return finish(h, attn, d.o, p.o_bias, norm.weight, norm.variance_epsilon, d.gate_up, d.down, linear)
+            d, norm = self.dnn.layers[layer], blk.post_attention_layernorm
+            return finish(h, attn, d.o, d.o_bias, norm.weight, norm.variance_epsilon, d.gate_up, d.down, linear)
         if self.packed is not None:
             p, norm = self.packed.layers[layer], blk.post_attention_layernorm
             return self.kernels.finish(h, attn, p.o, p.o_bias, norm.weight, norm.variance_epsilon,
