@@ -3,9 +3,9 @@
 MKL's ``x @ W`` re-packs the weight into its own blocks inside every call; oneDNN can take
 a weight reordered ahead of time (the same prepacking vLLM's CPU backend does for its
 linear layers) and skip that work.  Measured on the 2-core AMD EPYC (AVX-512), float32,
-same process, alternating (docs/internals/latency.md): full prefill of a 3.8K-token
-musique prompt 10.3 → 8.0 s, blend at 15 % 2.37 → 1.94 s, decode 61–66 → 55–56 ms per
-token; first-token logits within 7e-5 of the MKL products and the same greedy tokens.
+two engines in one process, alternating (``benchmarks/onednn_weights.py``,
+docs/internals/latency.md): full prefill of a 3.8K-token musique prompt 10.36 → 9.38 s,
+blend at 15 % 2.59 → 2.43 s, decode 69 → 64 ms per token; the same greedy tokens.
 
 The reordered tensors are opaque (no strides, no views), so transformers' modules cannot
 run on them.  Rather than keep a second copy of the weights, :func:`release` takes the
