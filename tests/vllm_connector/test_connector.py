@@ -21,6 +21,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("vllm")
 
+import torch  # noqa: E402
+
 from cacheblend import Engine  # noqa: E402
 from cacheblend.datasets import QA_PREAMBLE, load_qa  # noqa: E402
 from cacheblend.integrations.vllm import ChunkMatcher, read_passages, register_passages  # noqa: E402
@@ -192,7 +194,12 @@ def test_bad_entries_are_recomputed_and_replaced_never_served(setup, outputs, bl
     assert load["store_rejected"] == 1 and load["store_misses"] == 1
     assert tokens == outputs["blend"][i][0] and cached == len(setup["prompts"][i]) - 1
     replaced = read_entry(engine.store.open(handle.key))
-    assert replaced.meta["model"] == engine.fingerprint and (replaced.k - intact.k).abs().max() < 1e-4
+    # The worker recomputes the chunk with its own engine: the same float32 products, but
+    # the kernels' summation order may differ from this process's (oneDNN's blocking, thread
+    # split), so the K/V agree to rounding over 30 layers (1e-4 seen), not bit for bit.
+    assert replaced.meta["model"] == engine.fingerprint
+    assert torch.allclose(replaced.k, intact.k, rtol=1e-3, atol=1e-3)
+    assert torch.allclose(replaced.v, intact.v, rtol=1e-3, atol=1e-3)
 
 
 def test_lmcache_blend_bug_cases(setup, outputs, blend_llm):
