@@ -308,7 +308,8 @@ class EngineConfig:
 
     ``chunk_sink``: the precompute policy, see :meth:`PromptBuilder.sink_ids`; None: the
     model family's measured choice (:func:`chunk_sink_for`);
-    ``prefetch``: pipelined layer loading (off only to measure its effect);
+    ``prefetch``: pipelined layer loading; None: only where a core is free beside torch's
+    compute threads (:func:`cacheblend.blend.loader.pipelined` says why);
     ``learn_min_chars``: paragraphs at least this long in a chat prompt become chunks;
     ``kv_dtype``: the dtype chunk caches are stored in (None: the model's); ``"bfloat16"``
     or ``"float16"`` halve the store's bytes of a float32 model (exact prefix caches keep
@@ -330,7 +331,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None
     chunk_sink: str | None = None
-    prefetch: bool = True
+    prefetch: bool | None = None
     learn_min_chars: int = 200
     kv_dtype: str | None = None
     compile: bool = False
@@ -340,7 +341,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("compile", "pack_weights", "onednn_weights", "prefetch", "reuse_kv_buffer"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), bool) and not (name == "prefetch" and self.prefetch is None):
                 raise CacheBlendError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.chunk_sink is not None and self.chunk_sink not in CHUNK_SINKS:
             raise CacheBlendError(f"chunk_sink must be one of {CHUNK_SINKS} or None, got {self.chunk_sink!r}")

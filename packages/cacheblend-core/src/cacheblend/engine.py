@@ -22,6 +22,7 @@ import torch
 
 from .backend import Answering, check_request
 from .blend.controller import LoadingController
+from .blend.loader import pipelined
 from .cache.chunks import ChunkCache
 from .chat import plan_chat
 from .config import EngineConfig, RequestOptions, chunk_sink_for
@@ -60,13 +61,14 @@ class Engine(Answering):
                                onednn=self.config.onednn_weights)
         self.device = torch.device(self.config.device)
         self.kv_pool = KVPool(self.config.reuse_kv_buffer)  # one fused KV buffer kept between requests
-        self.controller = LoadingController()
+        pipeline = pipelined(self.config.prefetch)  # layers read beside the fusor, or before it
+        self.controller = LoadingController(pipelined=pipeline)
         self.prompts = PromptBuilder(self.tokenizer)
         self.passages = PassageIndex()  # texts of cached chunks, to find them in formatted prompts
         self.chunk_sink: str = chunk_sink_for(self.config.chunk_sink, self.decoder.shape.model_type)
         kv_dtype = getattr(torch, self.config.kv_dtype) if self.config.kv_dtype else None
         self.chunks = ChunkCache(self.decoder, store, self.prompts, self.fingerprint,
-                                 self.prompts.sink_ids(self.chunk_sink), self.device, self.config.prefetch,
+                                 self.prompts.sink_ids(self.chunk_sink), self.device, pipeline,
                                  kv_dtype)
         eos = self.tokenizer.eos_token_id
         gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)

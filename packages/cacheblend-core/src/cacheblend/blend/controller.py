@@ -40,6 +40,7 @@ class LoadingController:
     smoothing: float = 0.3
     compute_s_per_token_layer: float | None = None
     bandwidth: dict[str, float] = field(default_factory=dict)  # tier -> bytes per second
+    pipelined: bool = True  # layers read beside the fusor (loader.pipelined); else nothing hides
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.quality_floor <= self.max_ratio <= 1.0:
@@ -67,6 +68,10 @@ class LoadingController:
         suggested = self._suggest(candidates, fixed_tokens, bytes_per_layer, floor)
         if c is None or candidates == 0:
             return Decision(floor, tier, load, 0.0, suggested, "no compute speed measured yet: quality floor")
+        if not self.pipelined:
+            return Decision(floor, tier, load, c * (floor * candidates + fixed_tokens), suggested,
+                            "layers are read before they are fused, not beside (no core to spare for a "
+                            "loader): recompute hides no loading, ratio kept at the floor")
         hidden_tokens = load / c - fixed_tokens
         free = max(0.0, min(self.max_ratio, hidden_tokens / candidates))
         ratio = max(floor, free)
@@ -84,7 +89,7 @@ class LoadingController:
         c = self.compute_s_per_token_layer
         if c is None:
             return None
-        budget = c * (floor * candidates + fixed_tokens)
+        budget = c * (floor * candidates + fixed_tokens) if self.pipelined else 0.0
         fits = [(bw, t) for t, bw in self.bandwidth.items() if bytes_per_layer / bw <= budget]
         if fits:
             return min(fits)[1]

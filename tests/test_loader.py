@@ -1,0 +1,64 @@
+"""Layer loading beside the fusor or before it: the default follows the cores torch leaves
+free, either way gives the same answer, and the loading controller knows which it is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheblend import CacheBlendError, Engine
+from cacheblend.blend import loader
+from cacheblend.blend.controller import LoadingController
+from conftest import PASSAGES, QUERY, make_tiny_model
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for one test, restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_pipelined_only_where_a_core_is_left_for_the_loader(monkeypatch, threads):
+    monkeypatch.setattr(loader.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    threads(4)
+    assert loader.pipelined(None) is False  # every core runs a compute thread
+    threads(3)
+    assert loader.pipelined(None) is True
+    assert loader.pipelined(False) is False and loader.pipelined(True) is True  # set: as set
+    monkeypatch.setattr(loader.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    threads(2)
+    assert loader.pipelined(None) is False
+
+
+def test_the_controller_keeps_the_floor_when_nothing_hides_the_load():
+    ctl = LoadingController(quality_floor=0.15, pipelined=False)
+    ctl.observe_compute(compute_s=1.0, token_layers=100_000)  # 10 us per token-layer
+    ctl.observe_load("disk", nbytes=1_000_000_000, seconds=1.0)
+    ctl.observe_load("redis", nbytes=100_000_000, seconds=1.0)
+    slow = ctl.decide(candidates=3000, fixed_tokens=40, bytes_per_layer=10_000_000, tier="disk")  # 10 ms/layer
+    assert slow.ratio == 0.15 and "hides no loading" in slow.reason  # pipelined, it would rise (test_controller)
+    assert slow.suggested_tier == "disk"  # no tier hides: the fastest measured one costs least
+
+
+def test_serial_and_pipelined_loads_give_the_same_answer(tmp_path, default_model_dir):
+    folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    answers = []
+    for prefetch in (True, False):
+        engine = Engine.load(folder, store=f"disk:{tmp_path / 'kv'}", prefetch=prefetch)
+        assert engine.chunks.prefetch is prefetch and engine.controller.pipelined is prefetch
+        r = engine.generate(QUERY, engine.ingest(PASSAGES), recompute_ratio=0.3, max_new_tokens=4)
+        assert r.stats.store_hits >= len(PASSAGES)  # every chunk read from the disk tier, layer by layer
+        answers.append(r)
+    assert answers[1].stats.seconds["load"] > 0 and answers[1].stats.seconds["load_hidden"] == 0
+    assert torch.equal(answers[0].first_token_logits, answers[1].first_token_logits)
+    assert answers[0].token_ids == answers[1].token_ids
+
+
+def test_prefetch_defaults_to_the_cores_and_refuses_a_non_bool(tmp_path, default_model_dir):
+    folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    engine = Engine.load(folder, store="memory")
+    assert engine.chunks.prefetch is loader.pipelined(None)
+    with pytest.raises(CacheBlendError, match="prefetch must be True or False"):
+        Engine.load(folder, store="memory", prefetch="yes")
