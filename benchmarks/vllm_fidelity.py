@@ -12,6 +12,8 @@ response marker.  The core runs the same variants against its full prefill.  Agr
 reported with a 95 % bootstrap interval; the connector's guard escalations from receipts.
 Each one-token request is also timed (its TTFT): the median of plain vLLM, of the
 connector and of the core engine per variant, and the connector's speed-up over plain vLLM.
+The worker's own seconds per request (its fused prefill, its paged-cache writes) come from
+the connector's ``stats`` file.
 """
 
 from __future__ import annotations
@@ -112,13 +114,17 @@ def main() -> None:
     plain_llm = llm(model, None)
     plain = first_tokens(plain_llm, prompts, None)
     shutdown(plain_llm)
-    blend_llm = llm(model, kv_transfer_config(f"disk:{root / 'kv'}", passages=str(root / "passages.jsonl")))
     report: dict = {"command": "benchmarks/vllm_fidelity.py " + " ".join(os.sys.argv[1:]), "prompts": len(prompts),
                     "split": args.split, "variants": {},
                     "ttft_median_s": {"vllm_full": statistics.median(p[2] for p in plain),
                                       "core_full": statistics.median(core_ttft["full"])}}
+    stats = root / "stats.jsonl"
+    blend_llm = llm(model, kv_transfer_config(f"disk:{root / 'kv'}", passages=str(root / "passages.jsonl"),
+                                              stats=str(stats)))
     for name, opts in variants.items():
+        done = len(stats.read_text().splitlines()) if stats.exists() else 0
         got = first_tokens(blend_llm, prompts, opts)
+        loads = [x for x in map(json.loads, stats.read_text().splitlines()[done:]) if x.get("op") == "load"]
         agree = [float(g[0] == p[0]) for g, p in zip(got, plain, strict=True)]
         receipts = [g[1] or {} for g in got]
         report["variants"][name] = {
@@ -128,6 +134,9 @@ def main() -> None:
             "core_agreement": bootstrap([a for a, _ in core[name]]).as_dict(),
             "core_escalated": sum(e for _, e in core[name]) / len(core[name]),
             "vllm_ttft_median_s": statistics.median(g[2] for g in got),
+            # the worker's own seconds per request: its fused prefill, and the paged-cache writes
+            "worker_blend_median_s": statistics.median(x["blend_s"] for x in loads) if loads else None,
+            "worker_write_median_s": statistics.median(x["write_s"] for x in loads) if loads else None,
             "core_ttft_median_s": statistics.median(core_ttft[name]),
         }
     shutdown(blend_llm)
@@ -144,7 +153,8 @@ def main() -> None:
     print(f"median TTFT: plain vLLM {t['vllm_full']:.2f} s, core full prefill {t['core_full']:.2f} s")
     for name, r in report["variants"].items():
         print(f"{name:<{w}}connector {r['vllm_ttft_median_s']:.2f} s ({t['vllm_full'] / r['vllm_ttft_median_s']:.2f}x "
-              f"over plain vLLM); core engine {r['core_ttft_median_s']:.2f} s")
+              f"over plain vLLM; worker blend {r['worker_blend_median_s'] or 0:.2f} s, writes "
+              f"{r['worker_write_median_s'] or 0:.3f} s); core engine {r['core_ttft_median_s']:.2f} s")
     print(f"written: {args.out}")
 
 

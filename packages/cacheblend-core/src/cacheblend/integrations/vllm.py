@@ -289,13 +289,14 @@ class CacheBlendConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> LayoutReport:
         return LayoutReport(self._layout.ok, self._layout.backend, self._layout.reason)
 
-    def _blend(self, load: BlendLoad) -> tuple[torch.Tensor, torch.Tensor]:
+    def _blend(self, load: BlendLoad) -> KVCache:
         """Fused K (post-RoPE) and V ``[layers, heads, tokens, head_dim]`` of the whole prompt,
-        through the chunk-cache service (store lookups, retries on damaged entries)."""
+        through the chunk-cache service (store lookups, retries on damaged entries), in a
+        buffer of the engine's pool (its pages already mapped): give it back when written."""
         eng = self.engine()
         cache = eng.chunks
         load.blend.validate_for(eng.decoder.shape.num_layers)
-        kv = KVCache(eng.decoder.shape, len(load.token_ids), eng.device)
+        kv = eng.kv_pool.take(eng.decoder.shape, len(load.token_ids), eng.device)
         counter = LookupCounter()
         unreachable = tier_total(eng.store, "unreachable")
         report = cache.fuse(lambda c: (cache.span_segments(load.token_ids, load.spans, c), load.blend), kv, counter)
@@ -310,7 +311,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
                            "store_misses": counter.misses, "store_rejected": counter.rejected,
                            "store_unreachable": tier_total(eng.store, "unreachable") - unreachable,
                            "fidelity": self._step_receipts[load.req_id]}
-        return kv.k, kv.v
+        return kv
 
     def _write(self, load: BlendLoad, k: torch.Tensor, v: torch.Tensor) -> None:
         if self._paged is None or not self._layout.ok:
@@ -364,9 +365,10 @@ class CacheBlendConnector(KVConnectorBase_V1):
             t0 = time.perf_counter()
             try:
                 with torch.inference_mode():
-                    k, v = self._blend(load)
+                    kv = self._blend(load)
                     t1 = time.perf_counter()
-                    self._write(load, k, v)
+                    self._write(load, kv.k, kv.v)
+                    self.engine().kv_pool.give_back(kv)
                 self.last_stats.update(blend_s=round(t1 - t0, 3), write_s=round(time.perf_counter() - t1, 3))
             except Exception:  # noqa: BLE001 - vLLM recomputes what we could not load
                 log.exception("CacheBlend load failed for %s; vLLM recomputes its blocks", load.req_id)
