@@ -36,7 +36,8 @@ from cacheblend.datasets import QA_PREAMBLE, load_qa
 from cacheblend.generate.decode import decode_step
 
 GROUPS = {
-    "matmul": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::_mkldnn", "aten::mkldnn"),
+    "matmul": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::_mkldnn", "aten::mkldnn",
+               "mkldnn::"),  # oneDNN's products on reordered weights (models/onednn.py)
     "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product", "aten::softmax",
                   "aten::_softmax", "aten::bmm", "aten::baddbmm", "aten::masked_fill"),
     "norm": ("aten::rsqrt", "aten::pow", "aten::mean", "aten::var"),
@@ -63,7 +64,7 @@ def profiled(fn, repeats: int = 1) -> dict:
         for _ in range(repeats):
             fn()
         wall = (time.perf_counter() - t) / repeats
-    ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    ops = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::"))]
     groups: dict[str, float] = defaultdict(float)
     for e in ops:
         groups[group_of(e.key)] += e.self_cpu_time_total / 1e6 / repeats
