@@ -6,8 +6,8 @@ default) against the packed ``[in, out]`` weights through MKL, in one process, i
 
 Two engines on the same model, one per setting, alternating request by request on 6-passage
 musique dev prompts (see ``ab_args.engine_ab``).  oneDNN takes a weight reordered once into
-its blocked layout, where MKL re-packs the weight inside every product (issue 15;
-docs/internals/latency.md).
+its blocked layout, where MKL re-packs the weight inside every product
+(docs/internals/latency.md).
 """
 
 from __future__ import annotations

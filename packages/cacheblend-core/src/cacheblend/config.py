@@ -340,9 +340,11 @@ class EngineConfig:
     reuse_kv_buffer: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("compile", "pack_weights", "onednn_weights", "prefetch", "reuse_kv_buffer"):
-            if not isinstance(getattr(self, name), bool) and not (name == "prefetch" and self.prefetch is None):
+        for name in ("compile", "pack_weights", "onednn_weights", "reuse_kv_buffer"):
+            if not isinstance(getattr(self, name), bool):
                 raise CacheBlendError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.prefetch is not None and not isinstance(self.prefetch, bool):
+            raise CacheBlendError(f"prefetch must be True or False (None: by the cores), got {self.prefetch!r}")
         if self.chunk_sink is not None and self.chunk_sink not in CHUNK_SINKS:
             raise CacheBlendError(f"chunk_sink must be one of {CHUNK_SINKS} or None, got {self.chunk_sink!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:

@@ -29,9 +29,10 @@ def pipelined(prefetch: bool | None) -> bool:
     take no compute.  Here reading a disk or Redis entry is CPU work (copies and a sha256 per
     layer), and on a host whose cores all run torch's OpenMP threads, the loader takes a core
     from one of them and the others wait for it at every barrier.  Measured on 2 cores, 2
-    threads, musique prompts of 3.7K tokens from a disk store: the loads took 0.12 s read
-    before each layer and cost 0.35-0.4 s of TTFT read beside it (blend at 15 %: 1.18 s
-    against 1.51 s; docs/performance.md).  Memory-tier hits need no reading either way."""
+    threads, musique prompts of 3.7K tokens from a disk store (``benchmarks/store_tiers.py``,
+    docs/performance.md): the loads took 0.12 s read before each layer and cost about 0.4 s
+    of TTFT read beside it (blend at 15 %: 1.28 s against 1.62 s; 1.21 s from memory).
+    Memory-tier hits need no reading either way."""
     if prefetch is not None:
         return prefetch
     try:

@@ -74,7 +74,9 @@ class OneDnnWeights:
         """oneDNN copies of ``packed``'s products; None where they cannot be made here."""
         if packed.layers[0].qkv.dtype != torch.float32 or packed.layers[0].qkv.device.type != "cpu":
             return None
-        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        ops = torch.ops.mkldnn  # both ops have no public name: a build without either keeps MKL
+        if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+                and hasattr(ops, "_linear_pointwise")):
             log.warning("cacheblend: this PyTorch has no oneDNN; the projections run through MKL")
             return None
         try:
