@@ -135,8 +135,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None, help="JSON output")
     ap.add_argument("--compile", action="store_true", help="Engine.load(compile=True)")
+    ap.add_argument("--dtype", default=None, help="Engine.load(dtype=...), e.g. bfloat16")
     args = ap.parse_args()
-    engine = Engine.load(args.model, store="memory", compile=args.compile)
+    engine = Engine.load(args.model, store="memory", compile=args.compile, dtype=args.dtype)
     examples = load_qa("musique", "dev", limit=args.limit, passages=6, data=args.data)
     runs = [run(engine, ex, args.steps) for ex in examples]
     summary = summarise(runs)

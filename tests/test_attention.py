@@ -46,8 +46,10 @@ def test_keys_before_each_bucket_are_attended_unmasked_and_merged_exactly(first)
     assert plan.buckets[0].start == first and all(b.start == int(pos[b.rows.start]) for b in plan.buckets)
     q, k, v = torch.randn(6, pos.numel(), 16), torch.randn(2, n, 16), torch.randn(2, n, 16)
     torch.testing.assert_close(plan(q, k, v, 0.25), _reference(q, k, v, pos, 0.25), atol=1e-5, rtol=1e-4)
-    half = plan(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.25)  # half precision: attended in float32
-    assert half.dtype == torch.bfloat16
+    half = plan(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.25)  # bfloat16: attended natively
+    assert half.dtype == torch.bfloat16 and plan.compute_dtype == torch.float32
+    assert AttentionPlan(pos, torch.bfloat16, groups=3).compute_dtype == torch.bfloat16
+    assert AttentionPlan(pos, torch.float16, groups=3).compute_dtype == torch.float32  # float16: upcast
     ref = _reference(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), pos, 0.25)
     torch.testing.assert_close(half.float(), ref, atol=2e-2, rtol=2e-2)
 
@@ -94,4 +96,18 @@ def test_split_key_attention_stays_off_where_it_cannot_apply():
     assert not split_key_attention.fits(torch.float32, 511, 4096)  # too few keys to pay
     assert not split_key_attention.fits(torch.float32, 1001, 1001)  # no padding slot inside the cache
     assert split_key_attention.fits(torch.float32, 1000, 1000)  # even: no padding needed
-    assert not split_key_attention.fits(torch.bfloat16, 1000, 4096)  # half precision keeps the float32 plan
+    assert split_key_attention.fits(torch.bfloat16, 1000, 4096)
+    assert not split_key_attention.fits(torch.float16, 1000, 4096)  # float16 keeps the float32 plan
+
+
+def test_split_key_decode_attention_in_bfloat16_returns_bfloat16():
+    """The halves' weights come from the float32 log-sum-exp: the merged output must be cast
+    back (a float32 output would meet bfloat16 weights in the output projection)."""
+    torch.manual_seed(4)
+    n, capacity = 1001, 1010
+    k, v = torch.randn(3, capacity, 16).bfloat16(), torch.randn(3, capacity, 16).bfloat16()
+    q = torch.randn(9, 1, 16).bfloat16()
+    out = split_key_attention(q, k, v, n, 0.25)
+    assert out.dtype == torch.bfloat16
+    ref = _reference(q.float(), k[:, :n].float(), v[:, :n].float(), torch.tensor([n - 1]), 0.25)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

@@ -138,6 +138,7 @@ _STAND_IN = f"#!{sys.executable}\n" + '''import json, sys
 args = sys.argv[1:]
 assert args[:2] == ["-m", "cacheblend.bench.vllm_peer"], args
 spec = json.load(open(args[2]))
+open(sys.argv[0] + ".dtype", "w").write(spec["dtype"])  # what the peer was asked to compute in
 if "--serve" in args:  # interleaved: a prompt per line in, a marked line out, vLLM-like log lines around it
     print('@@cacheblend-peer {"ready": true}', flush=True)
     for n, line in enumerate(sys.stdin):
@@ -155,14 +156,14 @@ json.dump({"peer": "stand-in", "records": recs}, open(args[args.index("--out") +
 '''
 
 
-def _bench_with_stand_in(tiny_folder, tmp_path, die_after: int) -> dict:
+def _bench_with_stand_in(tiny_folder, tmp_path, die_after: int, *more: str) -> dict:
     fake = tmp_path / "python"
     fake.write_text(_STAND_IN.replace("DIE_AFTER", str(die_after)))
     fake.chmod(0o755)
     out = tmp_path / "bench.json"
     rc = app(["bench", "--model", str(tiny_folder), "--dataset", "hotpotqa", "--limit", "2", "--chunks", "2",
               "--methods", "full", "--answer-tokens", "0", "--peers", "vllm", "--vllm-python", str(fake),
-              "--json", str(out), "--plots", ""])
+              "--json", str(out), "--plots", "", *more])
     assert rc == 0
     return json.loads(out.read_text())
 
@@ -259,3 +260,12 @@ def test_fidelity_study_takes_a_system_message(tiny_folder, tmp_path):
 def test_fidelity_study_rejects_bad_variants(tiny_folder):
     with pytest.raises(SystemExit, match="not field=value"):
         app(["bench", "--model", str(tiny_folder), "--fidelity-only", "--variants", "blend@0.1:colour=red"])
+
+
+def test_the_vllm_peer_computes_in_the_engine_dtype(tiny_folder, tmp_path):
+    """A bfloat16 engine against a float32 vLLM would measure the dtype, not the method."""
+    report = _bench_with_stand_in(tiny_folder, tmp_path, 99, "--dtype", "bfloat16")
+    assert (tmp_path / "python.dtype").read_text() == "bfloat16"
+    assert {r["dtype"] for r in report["records"]} == {"bfloat16"}
+    report = _bench_with_stand_in(tiny_folder, tmp_path, 99)
+    assert (tmp_path / "python.dtype").read_text() == "float32"

@@ -79,3 +79,29 @@ def test_bfloat16(default_model_dir, default_engine):
     assert err_blend.max() < 1.0
     assert b1.token_ids[:1] == full.token_ids[:1] == [int(ref.argmax())]
     assert engine.fingerprint != Engine.load(default_model_dir, store="memory").fingerprint
+
+
+def test_bfloat16_decode_follows_transformers_past_split_keys(default_model_dir):
+    """bfloat16 runs its products on oneDNN-reordered weights and its attention natively,
+    the decode step over two halves of the keys past ``split_key_attention.MIN_KEYS``.  Every
+    greedy token must be one transformers' own bfloat16 forward ranks top, up to bfloat16's
+    rounding of logits (a spacing is 0.25 at their size; a wrong cache is off by units)."""
+    from cacheblend.blend.attention import split_key_attention
+    from cacheblend.models.loader import load_model
+
+    engine = Engine.load(default_model_dir, dtype="bfloat16", store="memory")
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert engine.decoder.dnn is not None
+    text = " ".join(PASSAGES)
+    while len(engine.tokenizer(text)["input_ids"]) < split_key_attention.MIN_KEYS + 40:
+        text += " " + " ".join(PASSAGES)
+    handles = engine.ingest([text])
+    r = engine.generate(QUERY, handles, method="full", max_new_tokens=8, ignore_eos=True)
+    prompt = engine.prompts.build(QUERY, [list(h.token_ids) for h in handles], None).all_ids
+    assert len(prompt) > split_key_attention.MIN_KEYS and len(r.token_ids) == 8
+    hf = load_model(default_model_dir, dtype="bfloat16").model.eval()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + r.token_ids])).logits[0].float()
+    for i, token in enumerate(r.token_ids):
+        row = logits[len(prompt) - 1 + i]
+        assert row[token] >= row.max() - 0.75, (i, float(row[token]), float(row.max()))

@@ -38,7 +38,7 @@ def _engine(args: argparse.Namespace) -> Engine:
     _quiet()
     from .engine import Engine
 
-    return Engine.load(args.model, store=args.store, kv_dtype=args.kv_dtype)
+    return Engine.load(args.model, store=args.store, kv_dtype=args.kv_dtype, dtype=args.dtype)
 
 
 def _read_chunks(files: list[Path], split: str | None) -> list[str]:
@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--split", default=None, help="split files into chunks at this string, e.g. '\\n\\n'")
         p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
                        help="dtype chunk caches are stored in (default: the model's; bfloat16 halves the store)")
+        p.add_argument("--dtype", default=None, choices=list(KV_DTYPES),
+                       help="dtype the model computes in (default: float32; bfloat16 is about 3x faster on "
+                            "CPUs with AMX, with answers of its own)")
 
     p = sub.add_parser("ingest", help="precompute and store chunk KV; one JSON line per chunk")
     p.add_argument("files", nargs="+", type=Path, help="text files; each is one chunk unless --split")

@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="dtype chunk caches are stored in "
                    "(default: the model's)")
+    p.add_argument("--dtype", default=None, choices=KV_DTYPES,
+                   help="dtype the model computes in (default: float32); the vLLM peer runs in the same one")
     p.add_argument("--chunk-sink", default=None, choices=CHUNK_SINKS,
                    help="what chunk caches are precomputed after (default: the model family's choice)")
     p.add_argument("--compile", action="store_true",
@@ -86,7 +88,8 @@ def main(args) -> int:
     datasets, methods, chunk_counts, python = _checked(args)
     sink = {"chunk_sink": args.chunk_sink} if args.chunk_sink else {}
     # memory: no background writes
-    engine = Engine.load(args.model, store="memory", kv_dtype=args.kv_dtype, compile=args.compile, **sink)
+    engine = Engine.load(args.model, store="memory", kv_dtype=args.kv_dtype, compile=args.compile,
+                         dtype=args.dtype, **sink)
     t0 = time.perf_counter()
     report: dict[str, Any] = {"command": "cacheblend bench " + " ".join(sys.argv[2:]),
                               "machine": _machine(args.threads)}
@@ -101,7 +104,8 @@ def main(args) -> int:
     if python is not None:  # --peers vllm: its full prefill runs interleaved with ours, prompt by prompt
         from .peers import InterleavedPeer
 
-        peer = InterleavedPeer(python, str(Path(engine.model_dir).resolve()), args.answer_tokens)
+        peer = InterleavedPeer(python, str(Path(engine.model_dir).resolve()), args.answer_tokens,
+                               _dtype_name(engine))
     try:
         records, groups = _run(engine, args, datasets, methods, chunk_counts, peer)
     finally:
@@ -185,7 +189,7 @@ def _run(engine, args, datasets: list[str], methods: list[str], chunk_counts: li
             samples, prompts = run_examples(engine, task, examples, vs, options, desc=f"{dataset} x{chunks}",
                                             answer_tokens=args.answer_tokens, after_each=after)
             base = {"dataset": dataset, "split": args.split, "chunks": chunks, "model": engine.model_name,
-                    "kv_dtype": str(engine.chunks.kv_dtype).removeprefix("torch."),
+                    "dtype": _dtype_name(engine), "kv_dtype": str(engine.chunks.kv_dtype).removeprefix("torch."),
                     "metric": task.metric, "check_layers": list(options.check_layers), "gradual": options.gradual}
             mine = summarise(samples, vs, base)
             records += mine
@@ -221,6 +225,11 @@ def _write(report: dict[str, Any], args) -> None:
                 print(f"plot: {path}")
 
 
+def _dtype_name(engine) -> str:
+    """The engine's compute dtype by name: the vLLM peer computes in the same one."""
+    return str(engine.decoder.shape.dtype).removeprefix("torch.")
+
+
 def _peers(engine, groups, python: Path, answer_tokens: int, interleaved: list[dict]) -> list[dict]:
     """The peer's records: ``interleaved`` (vLLM's full prefill, timed beside ours) and its
     prefix caching, run afterwards in one batch (it is no ratio's denominator)."""
@@ -228,7 +237,7 @@ def _peers(engine, groups, python: Path, answer_tokens: int, interleaved: list[d
 
     prompts = [{**p, "id": f"{base['dataset']}/{base['chunks']}/{p['id']}"} for base, ps, _, _ in groups for p in ps]
     peer = run_vllm(python, str(Path(engine.model_dir).resolve()), prompts, answer_tokens=answer_tokens,
-                    methods="vllm_apc")
+                    methods="vllm_apc", dtype=_dtype_name(engine))
     peer["records"] = [{**r, "interleaved": True} for r in interleaved] + peer["records"]
     out = []
     for base, _, full_first, full_ttft in groups:

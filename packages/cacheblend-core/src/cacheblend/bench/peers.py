@@ -37,18 +37,20 @@ def vllm_python(path: str | os.PathLike[str] | None = None) -> Path:
     return exe
 
 
-def _spec(model_dir: str, prompts: list[dict], answer_tokens: int) -> str:
-    return json.dumps({"model": model_dir, "dtype": "float32", "prompts": prompts, "answer_tokens": answer_tokens})
+def _spec(model_dir: str, prompts: list[dict], answer_tokens: int, dtype: str) -> str:
+    return json.dumps({"model": model_dir, "dtype": dtype, "prompts": prompts, "answer_tokens": answer_tokens})
 
 
 def run_vllm(python: str | os.PathLike[str], model_dir: str, prompts: list[dict], timeout_s: int = 3600,
-             answer_tokens: int = 0, methods: str = "vllm_full,vllm_apc") -> dict:
+             answer_tokens: int = 0, methods: str = "vllm_full,vllm_apc", dtype: str = "float32") -> dict:
     """The peer's output: records of each of ``methods`` per prompt, from
     ``python -m cacheblend.bench.vllm_peer`` run by the vLLM venv's interpreter ``python``
-    (with ``answer_tokens``, each prompt also answered with exactly that many tokens)."""
+    (with ``answer_tokens``, each prompt also answered with exactly that many tokens), its
+    model computing in ``dtype`` (our engine's: a ratio between two dtypes would measure
+    the dtype, not the method)."""
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "prompts.json", Path(tmp) / "peer.json"
-        spec.write_text(_spec(model_dir, prompts, answer_tokens))
+        spec.write_text(_spec(model_dir, prompts, answer_tokens, dtype))
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         proc = subprocess.run([str(python), "-m", "cacheblend.bench.vllm_peer", str(spec), "--out", str(out),
                                "--methods", methods], env=env, timeout=timeout_s, stdout=sys.stderr)
@@ -65,10 +67,11 @@ class InterleavedPeer:
     and asked per prompt puts both sides of each ratio in the same minute.  The peer idles
     while our engine runs (it waits on its input), so the two never share the cores."""
 
-    def __init__(self, python: str | os.PathLike[str], model_dir: str, answer_tokens: int = 0) -> None:
+    def __init__(self, python: str | os.PathLike[str], model_dir: str, answer_tokens: int = 0,
+                 dtype: str = "float32") -> None:
         self._tmp = tempfile.TemporaryDirectory()
         spec = Path(self._tmp.name) / "spec.json"
-        spec.write_text(_spec(model_dir, [], answer_tokens))
+        spec.write_text(_spec(model_dir, [], answer_tokens, dtype))
         from .vllm_peer import REPLY
 
         self._reply = REPLY

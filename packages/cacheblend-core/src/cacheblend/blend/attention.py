@@ -30,9 +30,11 @@ from torch import Tensor
 
 _BUCKETS = 8
 _MIN_BUCKET = 48
-# Masked attention of half-precision models runs in float32: CPU kernels with native bf16
-# (AMX) put the masked bucket path much further from full prefill than the causal kernel.
-_HALF = (torch.bfloat16, torch.float16)
+# Attention runs in the model's dtype, except float16, which runs in float32 (not measured
+# on CPU).  bfloat16 runs natively: on an AMX Xeon with torch 2.13 the masked bucket path
+# takes 9 ms per layer in bf16 against 18 ms upcast to float32 (570 queries, 3.8K keys;
+# docs/internals/latency.md); an older torch was slower in bf16, hence the upcast it had.
+_UPCAST = (torch.float16,)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, **kw) -> Tensor:
@@ -69,7 +71,7 @@ class AttentionPlan:
         if window is not None and window >= int(q_pos[-1]) + 1:
             window = None
         self.window = window
-        self.compute_dtype = torch.float32 if dtype in _HALF else dtype
+        self.compute_dtype = torch.float32 if dtype in _UPCAST else dtype
         self.buckets: list[_Bucket] = []
         if self.causal and window is None:
             return  # the plain causal kernel is exact and fastest
@@ -148,9 +150,9 @@ class _SplitKeyAttention:
     MIN_KEYS = 512  # below this the kernel's fixed cost outweighs the idle core; without _FLASH the plan runs
 
     def fits(self, dtype: torch.dtype, n: int, capacity: int) -> bool:
-        """Whether the split applies: float32 caches (half-precision attention runs through
-        the float32 plan) with enough keys and the padding slot inside the cache."""
-        return (_FLASH is not None and dtype == torch.float32 and n >= self.MIN_KEYS
+        """Whether the split applies: float32 or bfloat16 caches (float16 attention runs
+        through the float32 plan) with enough keys and the padding slot inside the cache."""
+        return (_FLASH is not None and dtype in (torch.float32, torch.bfloat16) and n >= self.MIN_KEYS
                 and n + (n % 2) <= capacity)
 
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, n: int, scale: float) -> Tensor:
@@ -171,7 +173,7 @@ class _SplitKeyAttention:
         q2 = q.reshape(kvh, h // kvh, hd).expand(2, kvh, h // kvh, hd)
         out, lse = _FLASH(q2, k2, v2, attn_mask=mask, scale=scale)
         weights = torch.softmax(lse, dim=0).unsqueeze(-1)  # [2, KVH, groups, 1]
-        return (out * weights).sum(0).reshape(h, 1, hd)
+        return (out * weights).sum(0).reshape(h, 1, hd).to(q.dtype)  # the weights are float32
 
 
 split_key_attention = _SplitKeyAttention()

@@ -13,8 +13,8 @@ projection weights away from those modules once the copies exist: the model's ow
 ``forward`` then raises (its projections are meta tensors, and a hook on each says why,
 instead of the zeros PyTorch would compute from them), and the decoder is the only way to
 run it.  ``EngineConfig.onednn_weights=False`` keeps transformers' modules
-working on the packed weights.  Only float32 weights are reordered (the dtype measured);
-where PyTorch has no oneDNN, or the reorder fails, the decoder keeps the ``[in, out]``
+working on the packed weights.  float32 and bfloat16 weights are reordered (the dtypes
+measured, :data:`REORDERED_DTYPES`); where PyTorch has no oneDNN, or the reorder fails, the decoder keeps the ``[in, out]``
 products and says why once.
 """
 
@@ -34,7 +34,12 @@ from .packed import PackedWeights
 
 log = logging.getLogger("cacheblend.onednn")
 
-__all__ = ["OneDnnLayer", "OneDnnWeights", "give_back_freed_memory", "linear", "release"]
+__all__ = ["REORDERED_DTYPES", "OneDnnLayer", "OneDnnWeights", "give_back_freed_memory", "linear", "release"]
+
+# The weight dtypes reordered (those measured).  bfloat16 on an AMX Xeon: a decode step's
+# 30 layers of one-row products take 19 ms on reordered weights against 31 ms through
+# ``x @ W`` (prefill products are within 10 % either way).
+REORDERED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -72,7 +77,7 @@ class OneDnnWeights:
     @classmethod
     def reorder(cls, packed: PackedWeights, q_width: int) -> OneDnnWeights | None:
         """oneDNN copies of ``packed``'s products; None where they cannot be made here."""
-        if packed.layers[0].qkv.dtype != torch.float32 or packed.layers[0].qkv.device.type != "cpu":
+        if packed.layers[0].qkv.dtype not in REORDERED_DTYPES or packed.layers[0].qkv.device.type != "cpu":
             return None
         ops = torch.ops.mkldnn  # both ops have no public name: a build without either keeps MKL
         if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
@@ -86,8 +91,10 @@ class OneDnnWeights:
                     qkv_bias=p.qkv_bias, o=_reorder(p.o), o_bias=p.o_bias, gate_up=_reorder(p.gate_up),
                     down=_reorder(p.down)) for p in packed.layers)
                 head = None if packed.head is None else _reorder(packed.head)
-                probe = torch.ones(1, packed.layers[0].qkv.shape[0])
-                if not torch.allclose(linear(probe, layers[0].qkv), probe @ packed.layers[0].qkv, atol=1e-3, rtol=1e-3):
+                probe = torch.ones(1, packed.layers[0].qkv.shape[0], dtype=packed.layers[0].qkv.dtype)
+                tol = 1e-3 if probe.dtype == torch.float32 else 2e-2
+                if not torch.allclose(linear(probe, layers[0].qkv).float(), (probe @ packed.layers[0].qkv).float(),
+                                      atol=tol, rtol=tol):
                     raise RuntimeError("a reordered product disagrees with the plain one")
         except RuntimeError as e:  # an ISA or build the reorder does not support: the plain products
             log.warning("cacheblend: oneDNN weights unavailable (%s); the projections run through MKL", e)
