@@ -90,7 +90,7 @@ def test_bfloat16_decode_follows_transformers_past_split_keys(default_model_dir)
     from cacheblend.models.loader import load_model
 
     engine = Engine.load(default_model_dir, dtype="bfloat16", store="memory")
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():  # noqa: SLF001
         assert engine.decoder.dnn is not None
     text = " ".join(PASSAGES)
     while len(engine.tokenizer(text)["input_ids"]) < split_key_attention.MIN_KEYS + 40:

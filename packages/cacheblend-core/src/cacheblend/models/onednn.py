@@ -14,8 +14,8 @@ projection weights away from those modules once the copies exist: the model's ow
 instead of the zeros PyTorch would compute from them), and the decoder is the only way to
 run it.  ``EngineConfig.onednn_weights=False`` keeps transformers' modules
 working on the packed weights.  float32 and bfloat16 weights are reordered (the dtypes
-measured, :data:`REORDERED_DTYPES`); where PyTorch has no oneDNN, or the reorder fails, the decoder keeps the ``[in, out]``
-products and says why once.
+measured, :data:`REORDERED_DTYPES`); where PyTorch has no oneDNN, or the reorder fails, the
+decoder keeps the ``[in, out]`` products and says why once.
 """
 
 from __future__ import annotations
