@@ -170,3 +170,38 @@ def test_packing_lets_go_of_the_loaders_memory_map(tmp_path, default_model_dir):
     Decoder(loaded.model, pack=True)
     gc.collect()
     assert not mapped()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_kernel_gives_transformers_bits(dtype):
+    """The fused RMSNorm replaces transformers' module on packed layers: it must give the
+    very same bits, or greedy answers could part from transformers' own."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from cacheblend.models.kernels import rms_norm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    for rows in (1, 333):
+        x = (3 * torch.randn(rows, 96)).to(dtype)
+        assert torch.equal(rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+
+
+def test_queries_and_keys_rotated_together_equal_each_rotated_alone(pair):
+    """A decode step rotates queries and keys in one RoPE (``Decoder.qkv_rope``); the bits
+    must be those of rotating each alone, for families with a per-head norm too."""
+    packed_model, _, _ = pair
+    dec = Decoder(packed_model.model)
+    ids = _ids(packed_model)[0]
+    with torch.inference_mode():
+        for rows in (ids, ids[-1:]):
+            cos, sin = dec.rope_tables(torch.arange(rows.numel()) + 7)
+            h = dec.embed(rows)
+            for layer in range(dec.shape.num_layers):
+                q, k, v = dec.qkv(layer, h)
+                q2, k2, v2 = dec.qkv_rope(layer, h, cos, sin)
+                assert torch.equal(dec.rope(q, cos, sin), q2) and torch.equal(dec.rope(k, cos, sin), k2)
+                assert torch.equal(v, v2)
+                h = dec.finish(layer, h, q)

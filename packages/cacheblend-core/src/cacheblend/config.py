@@ -306,6 +306,8 @@ class RequestOptions:
 class EngineConfig:
     """Settings of one engine (not of a request).
 
+    ``dtype``: what the model computes in (None: float32); ``"bfloat16"`` prefills about 3×
+    faster on CPUs with AMX, with answers of its own (docs/performance.md);
     ``chunk_sink``: the precompute policy, see :meth:`PromptBuilder.sink_ids`; None: the
     model family's measured choice (:func:`chunk_sink_for`);
     ``prefetch``: pipelined layer loading; None: only where a core is free beside torch's

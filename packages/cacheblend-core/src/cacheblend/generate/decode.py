@@ -52,15 +52,14 @@ def decode_step(dec: Decoder, kv: KVCache, token_id: int) -> Tensor:
     plans = AttentionPlans(positions, dec.shape.dtype, dec.shape.groups)
     split = split_key_attention.fits(kv.k.dtype, pos + 1, kv.capacity)
     for layer in range(dec.shape.num_layers):
-        q, k, v = dec.qkv(layer, h)
-        kv.k[layer, :, pos : pos + 1] = dec.rope(k, cos, sin)
+        q, k, v = dec.qkv_rope(layer, h, cos, sin)
+        kv.k[layer, :, pos : pos + 1] = k
         kv.v[layer, :, pos : pos + 1] = v
         window = dec.shape.windows[layer]
         if split and (window is None or window > pos):
-            out = split_key_attention(dec.rope(q, cos, sin), kv.k[layer], kv.v[layer], pos + 1, dec.scaling)
+            out = split_key_attention(q, kv.k[layer], kv.v[layer], pos + 1, dec.scaling)
         else:
-            out = plans[window](dec.rope(q, cos, sin), kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1],
-                                dec.scaling)
+            out = plans[window](q, kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
         h = dec.finish(layer, h, out)
     kv.length = pos + 1
     return dec.logits(h)[0]
