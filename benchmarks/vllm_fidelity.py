@@ -43,13 +43,13 @@ from cacheblend.integrations.vllm import register_passages  # noqa: E402
 VARIANTS = ("blend@0.15", "blend@guard")  # the default and the guard
 
 
-def llm(model: str, connector: dict | None):
+def llm(model: str, connector: dict | None, dtype: str = "float32"):
     """An eager LLM; with ``connector`` (``kv_transfer_config(...)``), the CacheBlend connector."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kw = {"kv_transfer_config": KVTransferConfig(**connector)} if connector is not None else {}
-    return LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=8192,
+    return LLM(model=model, dtype=dtype, enforce_eager=True, enable_prefix_caching=False, max_model_len=8192,
                max_num_batched_tokens=8192, max_num_seqs=1, seed=0, **kw)
 
 
@@ -77,6 +77,8 @@ def shutdown(engine_llm) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--split", default="test", choices=["dev", "test"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="what vLLM, its connector's worker and the core engine compute in")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--chunks", type=int, default=6)
     ap.add_argument("--data", default=None, help="the data directory (default: $CACHEBLEND_DATA)")
@@ -93,7 +95,7 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="cacheblend-vllm-fidelity-"))
     examples = load_qa("musique", args.split, limit=args.limit, passages=args.chunks, data=args.data)
-    engine = Engine.load(None, store=f"disk:{root / 'kv'}")
+    engine = Engine.load(None, store=f"disk:{root / 'kv'}", dtype=args.dtype)
     prompts, core = [], {name: [] for name in variants}
     core_ttft: dict[str, list[float]] = {"full": [], **{name: [] for name in variants}}
     for ex in examples:
@@ -111,7 +113,7 @@ def main() -> None:
     del engine
     gc.collect()
 
-    plain_llm = llm(model, None)
+    plain_llm = llm(model, None, args.dtype)
     plain = first_tokens(plain_llm, prompts, None)
     shutdown(plain_llm)
     report: dict = {"command": "benchmarks/vllm_fidelity.py " + " ".join(os.sys.argv[1:]), "prompts": len(prompts),
@@ -120,7 +122,7 @@ def main() -> None:
                                       "core_full": statistics.median(core_ttft["full"])}}
     stats = root / "stats.jsonl"
     blend_llm = llm(model, kv_transfer_config(f"disk:{root / 'kv'}", passages=str(root / "passages.jsonl"),
-                                              stats=str(stats)))
+                                              stats=str(stats)), args.dtype)
     for name, opts in variants.items():
         done = len(stats.read_text().splitlines()) if stats.exists() else 0
         got = first_tokens(blend_llm, prompts, opts)
