@@ -46,12 +46,15 @@ def test_keys_before_each_bucket_are_attended_unmasked_and_merged_exactly(first)
     assert plan.buckets[0].start == first and all(b.start == int(pos[b.rows.start]) for b in plan.buckets)
     q, k, v = torch.randn(6, pos.numel(), 16), torch.randn(2, n, 16), torch.randn(2, n, 16)
     torch.testing.assert_close(plan(q, k, v, 0.25), _reference(q, k, v, pos, 0.25), atol=1e-5, rtol=1e-4)
-    half = plan(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.25)  # bfloat16: attended natively
+    half = plan(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.25)  # a float32 plan: bf16 inputs attended in float32
     assert half.dtype == torch.bfloat16 and plan.compute_dtype == torch.float32
-    assert AttentionPlan(pos, torch.bfloat16, groups=3).compute_dtype == torch.bfloat16
-    assert AttentionPlan(pos, torch.float16, groups=3).compute_dtype == torch.float32  # float16: upcast
     ref = _reference(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), pos, 0.25)
     torch.testing.assert_close(half.float(), ref, atol=2e-2, rtol=2e-2)
+    bf16 = AttentionPlan(pos, torch.bfloat16, None, 3)  # a bf16 plan: attended natively, in fewer buckets
+    assert bf16.compute_dtype == torch.bfloat16 and bf16.split and len(bf16.buckets) == 4
+    torch.testing.assert_close(bf16(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.25).float(), ref,
+                               atol=3e-2, rtol=3e-2)
+    assert AttentionPlan(pos, torch.float16, None, 3).compute_dtype == torch.float32  # float16: upcast
 
 
 def test_all_positions_is_plain_causal():
