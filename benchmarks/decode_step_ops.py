@@ -27,34 +27,41 @@ from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
 from cacheblend.config import BlendConfig
 from cacheblend.datasets import QA_PREAMBLE, load_qa
 from cacheblend.generate.decode import decode_step
+from cacheblend.models import kernels
+
+
+def _eight_op_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers' module computes it, op by op (the step's norm before)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def before_step(dec, kv: KVCache, token_id: int) -> torch.Tensor:
-    """The decode step before: ``qkv`` through transformers' input norm, RoPE per tensor."""
-    pos = kv.length
-    positions = torch.tensor([pos])
-    cos, sin = dec.rope_tables(positions)
-    h = dec.embed(torch.tensor([token_id]))
-    plans = AttentionPlans(positions, dec.shape.dtype, dec.shape.groups)
-    split = split_key_attention.fits(kv.k.dtype, pos + 1, kv.capacity)
-    for layer in range(dec.shape.num_layers):
-        x = dec.layers[layer].input_layernorm(h)
-        kv_width = dec.shape.num_kv_heads * dec.shape.head_dim
-        q_w = dec.shape.num_heads * dec.shape.head_dim
-        q, k, v = dec._project(layer, x, 0, None).split([q_w, kv_width, kv_width], dim=-1)  # noqa: SLF001
-        attn = dec.layers[layer].self_attn
-        q = dec._q_heads(attn, q)  # noqa: SLF001
-        k, v = dec._kv_heads(attn, k, v)  # noqa: SLF001
-        kv.k[layer, :, pos : pos + 1] = dec.rope(k, cos, sin)
-        kv.v[layer, :, pos : pos + 1] = v
-        if split:
-            out = split_key_attention(dec.rope(q, cos, sin), kv.k[layer], kv.v[layer], pos + 1, dec.scaling)
-        else:
-            out = plans[None](dec.rope(q, cos, sin), kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1],
-                              dec.scaling)
-        h = dec.finish(layer, h, out)
-    kv.length = pos + 1
-    return dec.logits(h)[0]
+    """The decode step before: the op-by-op norm (the input norm, the MLP's and the final
+    one), queries and keys rotated apart."""
+    fused, dec.kernels.norm, kernels.rms_norm = dec.kernels.norm, _eight_op_norm, _eight_op_norm
+    try:
+        pos = kv.length
+        positions = torch.tensor([pos])
+        cos, sin = dec.rope_tables(positions)
+        h = dec.embed(torch.tensor([token_id]))
+        plans = AttentionPlans(positions, dec.shape.dtype, dec.shape.groups)
+        split = split_key_attention.fits(kv.k.dtype, pos + 1, kv.capacity)
+        for layer in range(dec.shape.num_layers):
+            q, k, v = dec.qkv(layer, h)
+            kv.k[layer, :, pos : pos + 1] = dec.rope(k, cos, sin)
+            kv.v[layer, :, pos : pos + 1] = v
+            q = dec.rope(q, cos, sin)
+            if split:
+                out = split_key_attention(q, kv.k[layer], kv.v[layer], pos + 1, dec.scaling)
+            else:
+                out = plans[None](q, kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
+            h = dec.finish(layer, h, out)
+        kv.length = pos + 1
+        return dec.logits(h)[0]
+    finally:
+        dec.kernels.norm = kernels.rms_norm = fused
 
 
 def greedy(step, dec, kv: KVCache, start: int, first: int, steps: int) -> tuple[float, list[int]]:

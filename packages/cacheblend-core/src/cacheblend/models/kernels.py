@@ -51,7 +51,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Llama's RMSNorm, bit for bit as transformers computes it (in float32, then back to
     ``x``'s dtype, then times the weight), through PyTorch's fused op: one op where
     transformers' module runs eight, which a decode step pays twice per layer
-    (``tests/test_kernels.py`` holds the bits equal in float32 and bfloat16)."""
+    (``tests/test_packed.py`` holds the bits equal in float32 and bfloat16)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
