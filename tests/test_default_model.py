@@ -89,7 +89,7 @@ def test_bfloat16_decode_follows_transformers_past_split_keys(default_model_dir)
     from cacheblend.blend.attention import split_key_attention
     from cacheblend.models.loader import load_model
 
-    engine = Engine.load(default_model_dir, dtype="bfloat16", store="memory")
+    engine = Engine.load(default_model_dir, dtype="bfloat16", store="memory", onednn_weights=True)
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():  # noqa: SLF001
         assert engine.decoder.dnn is not None
     text = " ".join(PASSAGES)

@@ -97,7 +97,7 @@ def test_onednn_weights_give_the_packed_products(tmp_path, default_model_dir, fa
     table of its own."""
     folder = make_tiny_model(tmp_path / family, family, default_model_dir, tie=tie)
     fast_model, plain_model = load_model(folder), load_model(folder)
-    fast = Decoder(fast_model.model, pack=True)
+    fast = Decoder(fast_model.model, pack=True, onednn=True)
     plain = Decoder(plain_model.model, pack=True, onednn=False)
     assert fast.dnn is not None and fast.packed is None and plain.dnn is None
     blk, hf = fast_model.model.model.layers[0], fast_model.model
@@ -124,19 +124,47 @@ def test_onednn_weights_give_the_packed_products(tmp_path, default_model_dir, fa
 
 
 def test_onednn_weights_are_an_engine_setting(tmp_path, default_model_dir):
-    """On by default; off, or with ``compile`` (whose graphs take plain tensors), the products
-    run on the packed weights; greedy answers are the same either way; a non-bool is refused."""
+    """On, off, or (the default) measured at load; with ``compile`` (whose graphs take plain
+    tensors) the products run on the packed weights; greedy answers are the same either way;
+    the choice is named in ``Decoder.products``; a non-bool is refused."""
     from cacheblend import Engine
     from cacheblend.errors import CacheBlendError
 
     folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
-    on, off = Engine.load(folder, store="memory"), Engine.load(folder, store="memory", onednn_weights=False)
+    on, off = Engine.load(folder, store="memory", onednn_weights=True), \
+        Engine.load(folder, store="memory", onednn_weights=False)
     assert on.decoder.dnn is not None and off.decoder.dnn is None
+    assert (on.decoder.products, off.decoder.products) == ("oneDNN", "MKL")
+    measured = Engine.load(folder, store="memory").decoder
+    assert measured.products in ("oneDNN", "MKL") and (measured.dnn is None) == (measured.packed is not None)
     assert Engine.load(folder, store="memory", compile=True).decoder.dnn is None
     assert on.generate(QUERY, PASSAGES, max_new_tokens=8).token_ids == \
         off.generate(QUERY, PASSAGES, max_new_tokens=8).token_ids
     with pytest.raises(CacheBlendError, match="onednn_weights must be True or False"):
         Engine.load(folder, store="memory", onednn_weights=1)
+
+
+@pytest.mark.parametrize("mkl,onednn,keep", [(2.0, 1.0, True), (1.0, 2.0, False), (0.97, 1.0, True), (0.9, 1.0, False)])
+def test_the_measured_choice_keeps_onednn_unless_mkl_is_clearly_faster(pair, mkl, onednn, keep):
+    """``faster_one_row`` times both layouts' one-row passes, alternating, and keeps oneDNN
+    on a tie (within 5 %): a noisy machine must not flip the choice from run to run.  The
+    clock is scripted so the decision, not this machine's speed, is what is tested."""
+    from cacheblend.models.onednn import OneDnnWeights, faster_one_row
+
+    packed_model, _, _ = pair
+    dec = Decoder(packed_model.model, onednn=False)
+    assert dec.packed is not None
+    dnn = OneDnnWeights.reorder(dec.packed, dec.shape.num_heads * dec.shape.head_dim)
+    if dnn is None:
+        pytest.skip("no oneDNN in this PyTorch")
+    order = ["mkl", "onednn", "onednn", "mkl", "mkl", "onednn"]  # rounds alternate which goes first
+    ticks, now = [], 0.0
+    for name in order:
+        ticks += [now, now + (mkl if name == "mkl" else onednn)]
+        now += 10.0
+    clock = iter(ticks)
+    kept, t_mkl, t_onednn = faster_one_row(dec.packed, dnn, rounds=3, clock=lambda: next(clock))
+    assert kept == keep and t_mkl == pytest.approx(mkl) and t_onednn == pytest.approx(onednn)
 
 
 def test_pack_weights_is_an_engine_setting(tmp_path, default_model_dir):

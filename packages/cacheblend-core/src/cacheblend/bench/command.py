@@ -189,7 +189,8 @@ def _run(engine, args, datasets: list[str], methods: list[str], chunk_counts: li
             samples, prompts = run_examples(engine, task, examples, vs, options, desc=f"{dataset} x{chunks}",
                                             answer_tokens=args.answer_tokens, after_each=after)
             base = {"dataset": dataset, "split": args.split, "chunks": chunks, "model": engine.model_name,
-                    "dtype": _dtype_name(engine), "kv_dtype": str(engine.chunks.kv_dtype).removeprefix("torch."),
+                    "dtype": _dtype_name(engine), "products": engine.decoder.products,
+                    "kv_dtype": str(engine.chunks.kv_dtype).removeprefix("torch."),
                     "metric": task.metric, "check_layers": list(options.check_layers), "gradual": options.gradual}
             mine = summarise(samples, vs, base)
             records += mine

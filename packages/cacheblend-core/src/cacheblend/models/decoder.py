@@ -13,6 +13,7 @@ the ``nn.Linear``), Qwen3 (per-head ``q_norm``/``k_norm`` before RoPE).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +21,10 @@ import torch
 from torch import Tensor
 
 from .kernels import Kernels, apply_rope, finish, rope_into, rotate_half
-from .onednn import OneDnnWeights, give_back_freed_memory, linear, release
+from .onednn import OneDnnWeights, faster_one_row, give_back_freed_memory, linear, release
 from .packed import PackedWeights
+
+log = logging.getLogger("cacheblend.decoder")
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "Decoder", "ModelShape", "apply_rope", "rotate_half"]
 
@@ -52,7 +55,7 @@ class ModelShape:
 class Decoder:
     """Runs a transformers ``*ForCausalLM`` (Llama family) one layer at a time."""
 
-    def __init__(self, hf_model: Any, compile: bool = False, pack: bool = True, onednn: bool = True) -> None:
+    def __init__(self, hf_model: Any, compile: bool = False, pack: bool = True, onednn: bool | None = None) -> None:
         """``hf_model``: a transformers ``*ForCausalLM`` (typed loosely: its submodules are
         reached by name).  Where the layers have the plain Llama shape (SiLU gating, no MLP
         biases): ``pack`` re-lays the projection weights for fast one-row products
@@ -60,8 +63,9 @@ class Decoder:
         and ``compile`` runs RMSNorm, RoPE and the output projection + MLP through
         ``torch.compile`` (:mod:`.kernels`); ``onednn`` (packed, not compiled) runs every
         product on weights reordered for oneDNN (:mod:`.onednn`), which then replace the
-        packed ones: ``hf_model``'s own forward no longer runs.  Otherwise transformers'
-        modules run as they are."""
+        packed ones: ``hf_model``'s own forward no longer runs; None: only where oneDNN
+        multiplies one row faster than MKL on this CPU (:func:`.onednn.faster_one_row`).
+        Otherwise transformers' modules run as they are."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -97,8 +101,13 @@ class Decoder:
         self.packed: PackedWeights | None = PackedWeights.pack(hf_model) if pack and plain else None
         self.kernels = Kernels(compile and self.packed is not None)
         self.dnn: OneDnnWeights | None = None
-        if onednn and self.packed is not None and not self.kernels.compiled:
+        if onednn is not False and self.packed is not None and not self.kernels.compiled:
             self.dnn = OneDnnWeights.reorder(self.packed, self._q_width)
+            if self.dnn is not None and onednn is None:  # the faster one-row products on this CPU
+                keep, mkl, dnn = faster_one_row(self.packed, self.dnn)
+                log.info("cacheblend: one-row products %.1f ms through MKL, %.1f ms through oneDNN: %s",
+                         1e3 * mkl, 1e3 * dnn, "oneDNN" if keep else "MKL")
+                self.dnn = self.dnn if keep else None
             if self.dnn is not None:  # one copy of the weights: the reordered one
                 release(hf_model, head=self.dnn.head is not None)
                 self.packed = None
@@ -107,6 +116,12 @@ class Decoder:
         inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
         row_bytes = 2 * inter * self.shape.dtype.itemsize  # the gate and up products of one row
         self.row_tile: int = max(_MIN_ROW_TILE, _TILE_BYTES // row_bytes)
+
+    @property
+    def products(self) -> str:
+        """What the projections run on: "oneDNN" (reordered weights), "MKL" (packed weights,
+        ``x @ W``) or "transformers" (its modules)."""
+        return "oneDNN" if self.dnn is not None else "MKL" if self.packed is not None else "transformers"
 
     # -- positions -------------------------------------------------------------------
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:

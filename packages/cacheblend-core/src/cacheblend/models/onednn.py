@@ -24,6 +24,8 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +36,8 @@ from .packed import PackedWeights
 
 log = logging.getLogger("cacheblend.onednn")
 
-__all__ = ["REORDERED_DTYPES", "OneDnnLayer", "OneDnnWeights", "give_back_freed_memory", "linear", "release"]
+__all__ = ["REORDERED_DTYPES", "OneDnnLayer", "OneDnnWeights", "faster_one_row", "give_back_freed_memory", "linear",
+           "release"]
 
 # The weight dtypes reordered (those measured).  bfloat16 on an AMX Xeon: a decode step's
 # 30 layers of one-row products take 19 ms on reordered weights against 31 ms through
@@ -100,6 +103,47 @@ class OneDnnWeights:
             log.warning("cacheblend: oneDNN weights unavailable (%s); the projections run through MKL", e)
             return None
         return cls(layers, head)
+
+
+# Where the measured choice keeps MKL: its one-row pass must be this much faster than oneDNN's.
+# Why a margin: oneDNN was the measured winner on the AMD EPYC (decode 63.8 against 69.3 ms),
+# so a tie on a noisy machine keeps it and the choice does not flip between two runs.
+MKL_MARGIN = 0.95
+
+
+def faster_one_row(packed: PackedWeights, dnn: OneDnnWeights, rounds: int = 3,
+                   clock: Callable[[], float] = time.perf_counter) -> tuple[bool, float, float]:
+    """Whether oneDNN's reordered weights multiply one row (a decode step) faster than MKL's
+    ``x @ W`` on the packed ones, on this CPU: (oneDNN, MKL seconds, oneDNN seconds).
+
+    Why measure: the winner depends on the CPU and the dtype, by a lot.  30 SmolLM2 layers of
+    one-row products: on the AMD EPYC (AVX-512, float32) oneDNN was faster; on an AMX Xeon,
+    float32 takes 16.5 ms through MKL against 22.5 ms through oneDNN, bfloat16 21.6 against
+    13.5 (docs/internals/latency.md).  Prefill-sized products were within a few percent either
+    way on both.  Each pass streams every layer's weights once, as a decode step does; the
+    two alternate ``rounds`` times after a warm-up pass each, and each keeps its fastest."""
+    dtype = packed.layers[0].qkv.dtype
+    rows = {n: torch.ones(1, n, dtype=dtype) for p in packed.layers for n in (p.qkv.shape[0], p.o.shape[0], p.down.shape[0])}
+
+    def mkl() -> None:
+        for p in packed.layers:
+            for w in (p.qkv, p.o, p.gate_up, p.down):
+                rows[w.shape[0]] @ w
+
+    def onednn() -> None:
+        for p, d in zip(packed.layers, dnn.layers, strict=True):
+            for w_in_out, w in ((p.qkv, d.qkv), (p.o, d.o), (p.gate_up, d.gate_up), (p.down, d.down)):
+                linear(rows[w_in_out.shape[0]], w)
+
+    best = {mkl: float("inf"), onednn: float("inf")}
+    with torch.no_grad():
+        mkl(), onednn()
+        for r in range(rounds):
+            for fn in ((mkl, onednn) if r % 2 == 0 else (onednn, mkl)):
+                t = clock()
+                fn()
+                best[fn] = min(best[fn], clock() - t)
+    return not best[mkl] < MKL_MARGIN * best[onednn], best[mkl], best[onednn]
 
 
 def _released(module: nn.Module, args: Any) -> None:
