@@ -1,5 +1,5 @@
 """The command line and the loop shared by the interleaved A/B scripts on musique dev
-prompts (``blend_attention.py``, ``kv_reuse.py``, ``onednn_weights.py``)."""
+prompts (``blend_attention.py``, ``kv_reuse.py``, ``onednn_weights.py``, ``compiled_decode.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 def ab_arguments(doc: str | None) -> argparse.Namespace:
     """``--limit`` prompts, ``--ratios``, ``--rounds``, ``--data``, ``--model``, ``--out``,
-    ``--answer-tokens``."""
+    ``--answer-tokens``, ``--dtype``."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
     ap.add_argument("--limit", type=int, default=3, help="musique dev prompts")
     ap.add_argument("--ratios", default="0.05,0.15")
@@ -21,6 +21,7 @@ def ab_arguments(doc: str | None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="JSON output")
     ap.add_argument("--answer-tokens", type=int, default=0,
                     help="engine A/Bs: each request also answers with exactly N tokens; decode ms/token reported")
+    ap.add_argument("--dtype", default=None, help="what the engines compute in (default: float32)")
     return ap.parse_args()
 
 
@@ -38,7 +39,7 @@ def engine_ab(args: argparse.Namespace, settings: dict[str, dict], script: str) 
 
     methods = [("full", dict(method="full"))] + [
         (f"blend@{float(r):g}", dict(recompute_ratio=float(r))) for r in args.ratios.split(",")]
-    engines = {name: Engine.load(args.model, store="memory", **kw) for name, kw in settings.items()}
+    engines = {name: Engine.load(args.model, store="memory", dtype=args.dtype, **kw) for name, kw in settings.items()}
     ttft: dict[str, dict[str, list[float]]] = {name: {} for name in settings}
     decode: dict[str, dict[str, list[float]]] = {name: {} for name in settings}
     same, same_tokens, compared = 0, 0, 0
@@ -46,7 +47,8 @@ def engine_ab(args: argparse.Namespace, settings: dict[str, dict], script: str) 
     for ex in load_qa("musique", "dev", limit=args.limit, passages=6, data=args.data):
         for engine in engines.values():
             engine.ingest(ex.passages)
-            engine.generate(ex.query, ex.passages, preamble=QA_PREAMBLE, max_new_tokens=1)  # warm-up
+            # warm-up, with decode steps (a compiled step compiles at its first)
+            engine.generate(ex.query, ex.passages, preamble=QA_PREAMBLE, max_new_tokens=3, ignore_eos=True)
         for _ in range(args.rounds):
             for label, options in methods:
                 results = []

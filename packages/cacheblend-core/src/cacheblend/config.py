@@ -327,7 +327,10 @@ class EngineConfig:
     q and k/v reordered apart and an embedding table of its own); None: where a one-row pass
     over the weights, timed at load, is faster through oneDNN than through MKL (decode 14 %
     faster on an AMD EPYC in float32 with oneDNN, 17 % faster on an AMX Xeon with MKL);
-    ``reuse_kv_buffer``: keep the fused KV buffer of a finished request for the
+    ``compile_decode``: run each decode step as one compiled graph
+    (:mod:`cacheblend.generate.compiled`: 6–8 % faster per token; compiled at the first step,
+    12–18 s once per machine, then about 3 s per process from the disk cache; eager where
+    compiling fails); ``reuse_kv_buffer``: keep the fused KV buffer of a finished request for the
     next one (:mod:`cacheblend.generate.kv_pool`: its pages are already mapped, which saves
     tens of milliseconds of page faults per request; holds one buffer the size of the
     largest request served)."""
@@ -341,10 +344,11 @@ class EngineConfig:
     compile: bool = False
     pack_weights: bool = True
     onednn_weights: bool | None = None
+    compile_decode: bool = False
     reuse_kv_buffer: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("compile", "pack_weights", "reuse_kv_buffer"):
+        for name in ("compile", "pack_weights", "compile_decode", "reuse_kv_buffer"):
             if not isinstance(getattr(self, name), bool):
                 raise CacheBlendError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.prefetch is not None and not isinstance(self.prefetch, bool):

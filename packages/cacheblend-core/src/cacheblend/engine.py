@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,8 @@ from .cache.chunks import ChunkCache
 from .chat import plan_chat
 from .config import EngineConfig, RequestOptions, chunk_sink_for
 from .errors import CacheBlendError
+from .generate.compiled import CompiledStep
+from .generate.decode import KVCache, decode_step
 from .generate.generation import Generation, Request
 from .generate.kv_pool import KVPool
 from .models.decoder import Decoder
@@ -59,6 +61,9 @@ class Engine(Answering):
         self.tokenizer = loaded.tokenizer
         self.decoder = Decoder(loaded.model, compile=self.config.compile, pack=self.config.pack_weights,
                                onednn=self.config.onednn_weights)
+        # The token loop's step: one compiled graph, or the eager layer-by-layer step.
+        self.decode_step: Callable[[Decoder, KVCache, int], torch.Tensor] = \
+            CompiledStep(self.decoder) if self.config.compile_decode else decode_step
         self.device = torch.device(self.config.device)
         self.kv_pool = KVPool(self.config.reuse_kv_buffer)  # one fused KV buffer kept between requests
         pipeline = pipelined(self.config.prefetch)  # layers read beside the fusor, or before it

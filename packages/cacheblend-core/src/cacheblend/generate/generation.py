@@ -21,7 +21,7 @@ from ..prompt import PromptIds
 from ..results import BlendStats, ChunkHandle, Result
 from ..store import ChunkKV
 from ..store.entry import LayerSource, PrefixView
-from .decode import KVCache, decode_step
+from .decode import KVCache
 from .sampling import Sampler, TextStream
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ class Generation:
                 break
             check_deadline(self.deadline, f"decoding, after {len(tokens)} tokens")
             with torch.inference_mode():
-                token = sampler(decode_step(eng.decoder, kv, token))
+                token = sampler(eng.decode_step(eng.decoder, kv, token))
         if token in eos or text.stopped:
             finish = "stop"
         tail = text.flush()

@@ -104,10 +104,7 @@ class Decoder:
         if onednn is not False and self.packed is not None and not self.kernels.compiled:
             self.dnn = OneDnnWeights.reorder(self.packed, self._q_width)
             if self.dnn is not None and onednn is None:  # the faster one-row products on this CPU
-                keep, mkl, dnn = faster_one_row(self.packed, self.dnn)
-                log.info("cacheblend: one-row products %.1f ms through MKL, %.1f ms through oneDNN: %s",
-                         1e3 * mkl, 1e3 * dnn, "oneDNN" if keep else "MKL")
-                self.dnn = self.dnn if keep else None
+                self.dnn = self.dnn if _measured_choice(self.packed, self.dnn) else None
             if self.dnn is not None:  # one copy of the weights: the reordered one
                 release(hf_model, head=self.dnn.head is not None)
                 self.packed = None
@@ -264,6 +261,22 @@ class Decoder:
     def _final(self, h: Tensor) -> Tensor:
         """The final RMSNorm through the kernel (packed layers have the plain norm shape)."""
         return self.kernels.norm(h, self.final_norm.weight, self.final_norm.variance_epsilon)
+
+
+# The measured choice per weight layout (dtype and shapes), once per process: every engine on
+# the same model then computes the same bits, whatever the machine's noise did to a timing.
+_CHOICES: dict[tuple, bool] = {}
+
+
+def _measured_choice(packed: PackedWeights, dnn: OneDnnWeights) -> bool:
+    """Whether oneDNN's products are kept (:func:`.onednn.faster_one_row`), measured once."""
+    key = (packed.layers[0].qkv.dtype, len(packed.layers), *(tuple(t.shape) for t in packed.tensors()[:6]))
+    if key not in _CHOICES:
+        keep, mkl, onednn = faster_one_row(packed, dnn)
+        log.info("cacheblend: one-row products %.1f ms through MKL, %.1f ms through oneDNN: %s",
+                 1e3 * mkl, 1e3 * onednn, "oneDNN" if keep else "MKL")
+        _CHOICES[key] = keep
+    return _CHOICES[key]
 
 
 def _plain_layers(layers: Any) -> bool:

@@ -123,7 +123,8 @@ def faster_one_row(packed: PackedWeights, dnn: OneDnnWeights, rounds: int = 3,
     way on both.  Each pass streams every layer's weights once, as a decode step does; the
     two alternate ``rounds`` times after a warm-up pass each, and each keeps its fastest."""
     dtype = packed.layers[0].qkv.dtype
-    rows = {n: torch.ones(1, n, dtype=dtype) for p in packed.layers for n in (p.qkv.shape[0], p.o.shape[0], p.down.shape[0])}
+    widths = {n for p in packed.layers for n in (p.qkv.shape[0], p.o.shape[0], p.down.shape[0])}
+    rows = {n: torch.ones(1, n, dtype=dtype) for n in widths}
 
     def mkl() -> None:
         for p in packed.layers:
@@ -137,7 +138,8 @@ def faster_one_row(packed: PackedWeights, dnn: OneDnnWeights, rounds: int = 3,
 
     best = {mkl: float("inf"), onednn: float("inf")}
     with torch.no_grad():
-        mkl(), onednn()
+        mkl()
+        onednn()
         for r in range(rounds):
             for fn in ((mkl, onednn) if r % 2 == 0 else (onednn, mkl)):
                 t = clock()
