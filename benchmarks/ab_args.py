@@ -9,9 +9,9 @@ import statistics
 import time
 
 
-def ab_arguments(doc: str | None) -> argparse.Namespace:
+def ab_arguments(doc: str | None, extra=None) -> argparse.Namespace:
     """``--limit`` prompts, ``--ratios``, ``--rounds``, ``--data``, ``--model``, ``--out``,
-    ``--answer-tokens``, ``--dtype``."""
+    ``--answer-tokens``, ``--dtype``; ``extra(parser)`` adds a script's own."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
     ap.add_argument("--limit", type=int, default=3, help="musique dev prompts")
     ap.add_argument("--ratios", default="0.05,0.15")
@@ -22,6 +22,8 @@ def ab_arguments(doc: str | None) -> argparse.Namespace:
     ap.add_argument("--answer-tokens", type=int, default=0,
                     help="engine A/Bs: each request also answers with exactly N tokens; decode ms/token reported")
     ap.add_argument("--dtype", default=None, help="what the engines compute in (default: float32)")
+    if extra is not None:
+        extra(ap)
     return ap.parse_args()
 
 
