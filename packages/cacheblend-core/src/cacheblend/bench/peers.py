@@ -12,7 +12,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from .metrics import p90
@@ -66,14 +65,7 @@ class InterleavedPeer:
     Why: this machine's speed drifts by up to 1.5× within an hour, so a peer that runs after
     all of our prompts measures a different machine; one kept loaded (``vllm_peer --serve``)
     and asked per prompt puts both sides of each ratio in the same minute.  The peer idles
-    while our engine runs (it waits on its input), so the two never share the cores: after
-    each answer we wait until its processes are quiet, because vLLM keeps one core busy for
-    about a second after a request (measured: 0.26 CPU-s per 0.25 s for 1 s, then nothing),
-    and our next prompt would otherwise start on one core."""
-
-    QUIET_CPU_S = 0.025  # CPU seconds per window below which the peer counts as idle (a tenth of a core)
-    WINDOW_S = 0.25
-    MAX_SETTLE_S = 5.0
+    while our engine runs (it waits on its input), so the two never share the cores."""
 
     def __init__(self, python: str | os.PathLike[str], model_dir: str, answer_tokens: int = 0,
                  dtype: str = "float32") -> None:
@@ -90,7 +82,6 @@ class InterleavedPeer:
             env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:  # loading vLLM takes both cores for a while: none of our timing may overlap it
             self._answer()
-            self.settle()
         except (OSError, ValueError, RuntimeError) as e:
             self.error = f"vllm peer failed to start: {e}"
 
@@ -104,29 +95,8 @@ class InterleavedPeer:
         except (OSError, ValueError, RuntimeError) as e:
             self.error = f"vllm peer failed at {prompt['id']}: {e}"
             return None
-        rec["settle_s"] = self.settle()
         self.records.append(rec)
         return rec
-
-    def settle(self) -> float:
-        """Wait (up to :attr:`MAX_SETTLE_S`) until the peer's process tree uses under
-        :attr:`QUIET_CPU_S` of CPU in a :attr:`WINDOW_S` window; the seconds waited."""
-        import psutil
-
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < self.MAX_SETTLE_S and self._proc.poll() is None:
-            try:
-                root = psutil.Process(self._proc.pid)
-                procs = [root, *root.children(recursive=True)]
-                before = sum(sum(p.cpu_times()[:2]) for p in procs)
-                time.sleep(self.WINDOW_S)
-                after = sum(sum(p.cpu_times()[:2]) for p in procs)
-            except psutil.Error:  # a process ended between the two looks: look again
-                time.sleep(self.WINDOW_S)
-                continue
-            if after - before < self.QUIET_CPU_S:
-                break
-        return time.perf_counter() - t0
 
     def _ask(self, prompt: dict) -> dict:
         assert self._proc.stdin is not None
