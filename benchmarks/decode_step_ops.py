@@ -22,11 +22,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from cacheblend import Engine
-from cacheblend.blend.attention import AttentionPlans, split_key_attention
+from cacheblend.blend.attention import AttentionPlans
 from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
 from cacheblend.config import BlendConfig
 from cacheblend.datasets import QA_PREAMBLE, load_qa
-from cacheblend.generate.decode import decode_step
+from cacheblend.generate.decode import append_and_attend, decode_step
 from cacheblend.models import kernels
 
 
@@ -47,16 +47,9 @@ def before_step(dec, kv: KVCache, token_id: int) -> torch.Tensor:
         cos, sin = dec.rope_tables(positions)
         h = dec.embed(torch.tensor([token_id]))
         plans = AttentionPlans(positions, dec.shape.dtype, dec.shape.groups)
-        split = split_key_attention.fits(kv.k.dtype, pos + 1, kv.capacity)
         for layer in range(dec.shape.num_layers):
             q, k, v = dec.qkv(layer, h)
-            kv.k[layer, :, pos : pos + 1] = dec.rope(k, cos, sin)
-            kv.v[layer, :, pos : pos + 1] = v
-            q = dec.rope(q, cos, sin)
-            if split:
-                out = split_key_attention(q, kv.k[layer], kv.v[layer], pos + 1, dec.scaling)
-            else:
-                out = plans[None](q, kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
+            out = append_and_attend(dec, kv, layer, dec.rope(q, cos, sin), dec.rope(k, cos, sin), v, pos, plans)
             h = dec.finish(layer, h, out)
         kv.length = pos + 1
         return dec.logits(h)[0]

@@ -315,22 +315,19 @@ class EngineConfig:
     ``learn_min_chars``: paragraphs at least this long in a chat prompt become chunks;
     ``kv_dtype``: the dtype chunk caches are stored in (None: the model's); ``"bfloat16"``
     or ``"float16"`` halve the store's bytes of a float32 model (exact prefix caches keep
-    the model's dtype); ``compile``: run the layers' elementwise parts (RMSNorm, RoPE, the
-    gated MLP and residuals) through ``torch.compile`` — faster prefill, a one-time compile
-    (cached on disk), eager where compiling fails; ``pack_weights``: re-lay the projection
+    the model's dtype); ``compile``: the layers' elementwise parts through ``torch.compile``
+    (cached on disk; eager where compiling fails); ``pack_weights``: re-lay the projection
     weights for one-row products (``models/packed.py``: a sixth faster decode, prefill no
     slower, same memory) — off where the weights must stay views of the memory-mapped
     safetensors file (the vLLM connector's worker, which shares those pages with other
     processes); ``onednn_weights``: with packed weights and no ``compile``, run every
     product on the weights reordered once for oneDNN (``models/onednn.py``; transformers'
     modules lose their projection weights; 0.14 GB more resident memory on SmolLM2-135M, for
-    q and k/v reordered apart and an embedding table of its own); None: where a one-row pass
-    over the weights, timed at load, is faster through oneDNN than through MKL (decode 14 %
-    faster on an AMD EPYC in float32 with oneDNN, 17 % faster on an AMX Xeon with MKL);
-    ``compile_decode``: run each decode step as one compiled graph
-    (:mod:`cacheblend.generate.compiled`: 6–8 % faster per token; compiled at the first step,
-    12–18 s once per machine, then about 3 s per process from the disk cache; eager where
-    compiling fails); ``reuse_kv_buffer``: keep the fused KV buffer of a finished request for the
+    q and k/v reordered apart and an embedding table of its own); None: where a one-row pass,
+    timed at load, is faster through oneDNN than through MKL (the winner varies by CPU and dtype);
+    ``compile_decode``: each decode step as one compiled graph (:mod:`cacheblend.generate.compiled`:
+    3–6 % faster per token; 12–20 s to compile once per machine, then about 3 s per process);
+    ``reuse_kv_buffer``: keep the fused KV buffer of a finished request for the
     next one (:mod:`cacheblend.generate.kv_pool`: its pages are already mapped, which saves
     tens of milliseconds of page faults per request; holds one buffer the size of the
     largest request served)."""
@@ -351,11 +348,9 @@ class EngineConfig:
         for name in ("compile", "pack_weights", "compile_decode", "reuse_kv_buffer"):
             if not isinstance(getattr(self, name), bool):
                 raise CacheBlendError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.prefetch is not None and not isinstance(self.prefetch, bool):
-            raise CacheBlendError(f"prefetch must be True or False (None: by the cores), got {self.prefetch!r}")
-        if self.onednn_weights is not None and not isinstance(self.onednn_weights, bool):
-            raise CacheBlendError(
-                f"onednn_weights must be True or False (None: measured at load), got {self.onednn_weights!r}")
+        for name, unset in (("prefetch", "by the cores"), ("onednn_weights", "measured at load")):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise CacheBlendError(f"{name} must be True or False (None: {unset}), got {getattr(self, name)!r}")
         if self.chunk_sink is not None and self.chunk_sink not in CHUNK_SINKS:
             raise CacheBlendError(f"chunk_sink must be one of {CHUNK_SINKS} or None, got {self.chunk_sink!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:

@@ -36,12 +36,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..blend.attention import AttentionPlans, split_key_attention
+from ..blend.attention import AttentionPlans
 from ..models.decoder import Decoder
 from ..models.kernels import apply_rope, rms_norm
 from ..models.loader import cache_home
 from ..models.onednn import linear
-from .decode import KVCache, decode_step
+from .decode import KVCache, append_and_attend, decode_step
 
 log = logging.getLogger("cacheblend.compiled")
 
@@ -54,18 +54,11 @@ _QKV, _O, _GATE_UP, _DOWN, _HEAD = range(5)
 
 @torch.library.custom_op("cacheblend::decode_attention", mutates_args=())
 def _decode_attention(q: Tensor, k: Tensor, v: Tensor, key: int, layer: int, pos: Tensor) -> Tensor:
-    """Write ``k``, ``v`` [KVH, 1, hd] at ``pos`` of the step's cache and attend ``q`` [H, 1, hd]
-    over keys 0..pos: :func:`.decode.decode_step`'s attention, the same calls."""
+    """:func:`.decode.append_and_attend` on the running step's cache."""
     step = _STEPS[key]
-    kv, dec, p = step.kv, step.dec, int(pos)
-    assert kv is not None
-    kv.k[layer, :, p : p + 1] = k
-    kv.v[layer, :, p : p + 1] = v
-    window = dec.shape.windows[layer]
-    if split_key_attention.fits(kv.k.dtype, p + 1, kv.capacity) and (window is None or window > p):
-        return split_key_attention(q, kv.k[layer], kv.v[layer], p + 1, dec.scaling)
-    plans = AttentionPlans(pos.reshape(1), dec.shape.dtype, dec.shape.groups)
-    return plans[window](q, kv.k[layer, :, : p + 1], kv.v[layer, :, : p + 1], dec.scaling)
+    assert step.kv is not None
+    plans = AttentionPlans(pos.reshape(1), step.dec.shape.dtype, step.dec.shape.groups)  # built only if used
+    return append_and_attend(step.dec, step.kv, layer, q, k, v, int(pos), plans)
 
 
 @_decode_attention.register_fake

@@ -50,16 +50,21 @@ def decode_step(dec: Decoder, kv: KVCache, token_id: int) -> Tensor:
     cos, sin = dec.rope_tables(positions)
     h = dec.embed(torch.tensor([token_id], device=device))
     plans = AttentionPlans(positions, dec.shape.dtype, dec.shape.groups)
-    split = split_key_attention.fits(kv.k.dtype, pos + 1, kv.capacity)
     for layer in range(dec.shape.num_layers):
         q, k, v = dec.qkv_rope(layer, h, cos, sin)
-        kv.k[layer, :, pos : pos + 1] = k
-        kv.v[layer, :, pos : pos + 1] = v
-        window = dec.shape.windows[layer]
-        if split and (window is None or window > pos):
-            out = split_key_attention(q, kv.k[layer], kv.v[layer], pos + 1, dec.scaling)
-        else:
-            out = plans[window](q, kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
-        h = dec.finish(layer, h, out)
+        h = dec.finish(layer, h, append_and_attend(dec, kv, layer, q, k, v, pos, plans))
     kv.length = pos + 1
     return dec.logits(h)[0]
+
+
+def append_and_attend(dec: Decoder, kv: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int,
+                      plans: AttentionPlans) -> Tensor:
+    """Write one token's ``k``, ``v`` [KVH, 1, hd] at ``pos`` of ``layer`` and attend its ``q``
+    [H, 1, hd] over keys 0..pos: split in two halves of the keys where that fits, else through
+    ``plans`` (built for ``[pos]``).  The eager step and the compiled one's attention op share it."""
+    kv.k[layer, :, pos : pos + 1] = k
+    kv.v[layer, :, pos : pos + 1] = v
+    window = dec.shape.windows[layer]
+    if split_key_attention.fits(kv.k.dtype, pos + 1, kv.capacity) and (window is None or window > pos):
+        return split_key_attention(q, kv.k[layer], kv.v[layer], pos + 1, dec.scaling)
+    return plans[window](q, kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
