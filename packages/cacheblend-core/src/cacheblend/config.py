@@ -321,16 +321,14 @@ class EngineConfig:
     slower, same memory) — off where the weights must stay views of the memory-mapped
     safetensors file (the vLLM connector's worker, which shares those pages with other
     processes); ``onednn_weights``: with packed weights and no ``compile``, run every
-    product on the weights reordered once for oneDNN (``models/onednn.py``; transformers'
-    modules lose their projection weights; 0.14 GB more resident memory on SmolLM2-135M, for
-    q and k/v reordered apart and an embedding table of its own); None: where a one-row pass,
-    timed at load, is faster through oneDNN than through MKL (the winner varies by CPU and dtype);
+    product on weights reordered once for oneDNN (``models/onednn.py``; 0.14 GB more memory
+    on SmolLM2-135M); None: where a one-row pass, timed at load, is faster through oneDNN
+    than through MKL (the winner varies by CPU and dtype);
     ``compile_decode``: each decode step as one compiled graph (:mod:`cacheblend.generate.compiled`:
     3–6 % faster per token; 12–20 s to compile once per machine, then about 3 s per process);
-    ``reuse_kv_buffer``: keep the fused KV buffer of a finished request for the
-    next one (:mod:`cacheblend.generate.kv_pool`: its pages are already mapped, which saves
-    tens of milliseconds of page faults per request; holds one buffer the size of the
-    largest request served)."""
+    ``native_attention``: decode steps attend through our C++ kernel (:mod:`cacheblend.native`:
+    about 20 s to build once per machine; None: where it builds, True: required);
+    ``reuse_kv_buffer``: keep the last request's fused KV buffer (:mod:`cacheblend.generate.kv_pool`)."""
 
     device: str = "cpu"
     dtype: str | None = None
@@ -342,13 +340,15 @@ class EngineConfig:
     pack_weights: bool = True
     onednn_weights: bool | None = None
     compile_decode: bool = False
+    native_attention: bool | None = None
     reuse_kv_buffer: bool = True
 
     def __post_init__(self) -> None:
         for name in ("compile", "pack_weights", "compile_decode", "reuse_kv_buffer"):
             if not isinstance(getattr(self, name), bool):
                 raise CacheBlendError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name, unset in (("prefetch", "by the cores"), ("onednn_weights", "measured at load")):
+        for name, unset in (("prefetch", "by the cores"), ("onednn_weights", "measured at load"),
+                            ("native_attention", "where it builds")):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise CacheBlendError(f"{name} must be True or False (None: {unset}), got {getattr(self, name)!r}")
         if self.chunk_sink is not None and self.chunk_sink not in CHUNK_SINKS:

@@ -60,7 +60,7 @@ class Engine(Answering):
         self.fingerprint: str = loaded.fingerprint
         self.tokenizer = loaded.tokenizer
         self.decoder = Decoder(loaded.model, compile=self.config.compile, pack=self.config.pack_weights,
-                               onednn=self.config.onednn_weights)
+                               onednn=self.config.onednn_weights, native_attention=self.config.native_attention)
         # The token loop's step: one compiled graph, or the eager layer-by-layer step.
         self.decode_step: Callable[[Decoder, KVCache, int], torch.Tensor] = \
             CompiledStep(self.decoder) if self.config.compile_decode else decode_step

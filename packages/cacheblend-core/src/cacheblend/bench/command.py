@@ -44,6 +44,8 @@ def add_parser(sub) -> None:
                    help="compile the layers' elementwise parts (torch.compile; Engine.load(compile=True))")
     p.add_argument("--compile-decode", action="store_true",
                    help="run each decode step as one compiled graph (Engine.load(compile_decode=True))")
+    p.add_argument("--no-native-attention", dest="native_attention", action="store_false",
+                   help="decode with PyTorch's attention kernel instead of ours (Engine.load(native_attention=False))")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the data directory (the folder holding musique_s.json ...); default: $CACHEBLEND_DATA")
@@ -91,7 +93,8 @@ def main(args) -> int:
     sink = {"chunk_sink": args.chunk_sink} if args.chunk_sink else {}
     # memory: no background writes
     engine = Engine.load(args.model, store="memory", kv_dtype=args.kv_dtype, compile=args.compile,
-                         compile_decode=args.compile_decode, dtype=args.dtype, **sink)
+                         compile_decode=args.compile_decode, dtype=args.dtype,
+                         native_attention=None if args.native_attention else False, **sink)
     t0 = time.perf_counter()
     report: dict[str, Any] = {"command": "cacheblend bench " + " ".join(sys.argv[2:]),
                               "machine": _machine(args.threads)}
@@ -192,7 +195,7 @@ def _run(engine, args, datasets: list[str], methods: list[str], chunk_counts: li
                                             answer_tokens=args.answer_tokens, after_each=after)
             base = {"dataset": dataset, "split": args.split, "chunks": chunks, "model": engine.model_name,
                     "dtype": _dtype_name(engine), "products": engine.decoder.products,
-                    "compiled_decode": engine.config.compile_decode,
+                    "compiled_decode": engine.config.compile_decode, "decode_attention": engine.decoder.attention,
                     "kv_dtype": str(engine.chunks.kv_dtype).removeprefix("torch."),
                     "metric": task.metric, "check_layers": list(options.check_layers), "gradual": options.gradual}
             mine = summarise(samples, vs, base)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import native
 from ..blend.attention import AttentionPlans, split_key_attention
 from ..models.decoder import Decoder, ModelShape
 
@@ -60,11 +61,16 @@ def decode_step(dec: Decoder, kv: KVCache, token_id: int) -> Tensor:
 def append_and_attend(dec: Decoder, kv: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int,
                       plans: AttentionPlans) -> Tensor:
     """Write one token's ``k``, ``v`` [KVH, 1, hd] at ``pos`` of ``layer`` and attend its ``q``
-    [H, 1, hd] over keys 0..pos: split in two halves of the keys where that fits, else through
-    ``plans`` (built for ``[pos]``).  The eager step and the compiled one's attention op share it."""
+    [H, 1, hd] over keys 0..pos: through the native kernel where the decoder has it (not past
+    a sliding window), else PyTorch's kernel split in two halves of the keys where that fits,
+    else through ``plans`` (built for ``[pos]``).  The eager step and the compiled one's attention op share it."""
     kv.k[layer, :, pos : pos + 1] = k
     kv.v[layer, :, pos : pos + 1] = v
     window = dec.shape.windows[layer]
+    if dec.decode_attention is not None and (window is None or window > pos):
+        n = pos + 1
+        return dec.decode_attention(q, kv.k[layer], kv.v[layer], n, dec.scaling,
+                                    native.key_slices(dec.shape.num_kv_heads, n))
     if split_key_attention.fits(kv.k.dtype, pos + 1, kv.capacity) and (window is None or window > pos):
         return split_key_attention(q, kv.k[layer], kv.v[layer], pos + 1, dec.scaling)
     return plans[window](q, kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)

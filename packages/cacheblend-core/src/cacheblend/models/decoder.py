@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import native
+from ..errors import CacheBlendError
 from .kernels import Kernels, apply_rope, finish, rope_into, rotate_half
 from .onednn import OneDnnWeights, faster_one_row, give_back_freed_memory, linear, release
 from .packed import PackedWeights
@@ -55,7 +57,8 @@ class ModelShape:
 class Decoder:
     """Runs a transformers ``*ForCausalLM`` (Llama family) one layer at a time."""
 
-    def __init__(self, hf_model: Any, compile: bool = False, pack: bool = True, onednn: bool | None = None) -> None:
+    def __init__(self, hf_model: Any, compile: bool = False, pack: bool = True, onednn: bool | None = None,
+                 native_attention: bool | None = None) -> None:
         """``hf_model``: a transformers ``*ForCausalLM`` (typed loosely: its submodules are
         reached by name).  Where the layers have the plain Llama shape (SiLU gating, no MLP
         biases): ``pack`` re-lays the projection weights for fast one-row products
@@ -65,7 +68,9 @@ class Decoder:
         product on weights reordered for oneDNN (:mod:`.onednn`), which then replace the
         packed ones: ``hf_model``'s own forward no longer runs; None: only where oneDNN
         multiplies one row faster than MKL on this CPU (:func:`.onednn.faster_one_row`).
-        Otherwise transformers' modules run as they are."""
+        Otherwise transformers' modules run as they are.  ``native_attention``: decode steps
+        attend through our compiled kernel (:mod:`cacheblend.native`); None: where it builds
+        and fits the model; True: required (an error where it cannot run)."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -113,12 +118,23 @@ class Decoder:
         inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
         row_bytes = 2 * inter * self.shape.dtype.itemsize  # the gate and up products of one row
         self.row_tile: int = max(_MIN_ROW_TILE, _TILE_BYTES // row_bytes)
+        self.decode_attention: native.DecodeAttention | None = None
+        if native_attention is not False and native.fits(self.shape.dtype, head_dim):
+            self.decode_attention = native.decode_attention()
+        if native_attention and self.decode_attention is None:
+            why = native.last_failure() or f"it takes float32 or bfloat16 with head_dim {native.HEAD_DIMS}"
+            raise CacheBlendError(f"native_attention=True, but the native decode attention cannot run: {why}")
 
     @property
     def products(self) -> str:
         """What the projections run on: "oneDNN" (reordered weights), "MKL" (packed weights,
         ``x @ W``) or "transformers" (its modules)."""
         return "oneDNN" if self.dnn is not None else "MKL" if self.packed is not None else "transformers"
+
+    @property
+    def attention(self) -> str:
+        """What a decode step attends with: "native" (:mod:`cacheblend.native`) or "PyTorch"."""
+        return "native" if self.decode_attention is not None else "PyTorch"
 
     # -- positions -------------------------------------------------------------------
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,140 @@
+"""The native decode attention (``cacheblend.native``): the kernel against attention computed
+in float64 over every shape it takes, the engine's greedy tokens with it on and off, and the
+fall-back where it cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cacheblend import CacheBlendError, Engine, native
+from cacheblend.config import EngineConfig
+from conftest import PASSAGES, QUERY, make_tiny_model
+
+needs_kernel = pytest.mark.skipif(native.unavailable_reason() is not None,
+                                  reason=f"native kernel unavailable: {native.unavailable_reason()}")
+
+
+def reference(q, k, v, n, scale):
+    """Softmax attention in float64 of q [H, 1, hd] over keys 0..n-1 of k, v [KVH, cap, hd]."""
+    h, kvh = q.shape[0], k.shape[0]
+    qg = q.double().reshape(kvh, h // kvh, -1)
+    scores = torch.einsum("kgd,ktd->kgt", qg, k[:, :n].double()) * scale
+    out = torch.einsum("kgt,ktd->kgd", torch.softmax(scores, -1), v[:, :n].double())
+    return out.reshape(h, 1, -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("hd", native.HEAD_DIMS)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (14, 2), (5, 1)])
+def test_kernel_matches_softmax_attention(dtype, hd, heads, kv_heads):
+    kernel = native.decode_attention()
+    g = torch.Generator().manual_seed(hd + heads)
+    cap = 700
+    k = torch.randn(kv_heads, cap, hd, generator=g).to(dtype)
+    v = torch.randn(kv_heads, cap, hd, generator=g).to(dtype)
+    q = torch.randn(heads, 1, hd, generator=g).to(dtype)
+    scale = hd ** -0.5
+    for n in (1, 2, 15, 16, 17, 100, 256, 511, 513, 699, 700):
+        for splits in {1, 3, native.key_slices(kv_heads, n), 64}:
+            out = kernel(q, k, v, n, scale, splits)
+            assert out.dtype == dtype and out.shape == q.shape
+            want = reference(q, k, v, n, scale)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+            assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (n, splits)
+
+
+@needs_kernel
+def test_kernel_reads_a_layer_of_the_fused_cache():
+    """The decode step passes ``kv.k[layer]``: a view whose head stride is the capacity's,
+    with garbage past the ``n`` keys; nothing past them may leak in."""
+    kernel = native.decode_attention()
+    k = torch.randn(3, 2, 50, 64)
+    v = torch.randn(3, 2, 50, 64)
+    k[1, :, 40:] = 1e4
+    v[1, :, 40:] = float("nan")
+    q = torch.randn(6, 1, 64)
+    out = kernel(q, k[1], v[1], 40, 0.125, 2)
+    assert torch.allclose(out.double(), reference(q, k[1], v[1], 40, 0.125), atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_refuses_bad_input_by_name():
+    kernel = native.decode_attention()
+    k = torch.randn(2, 10, 64)
+    with pytest.raises(RuntimeError, match="n must be in"):
+        kernel(torch.randn(4, 1, 64), k, k, 11, 0.1, 1)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        kernel(torch.randn(3, 1, 64), k, k, 5, 0.1, 1)
+    with pytest.raises(RuntimeError, match="head_dim must be"):
+        kernel(torch.randn(4, 1, 48), torch.randn(2, 10, 48), torch.randn(2, 10, 48), 5, 0.1, 1)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernel(torch.randn(4, 1, 64), k.half(), k.half(), 5, 0.1, 1)
+
+
+def test_key_slices_keep_both_cores_busy():
+    assert native.key_slices(3, 3800, threads=2) == 4  # 12 items, 6 a thread
+    assert native.key_slices(2, 3800, threads=2) == 4
+    assert native.key_slices(3, 600, threads=2) == 2  # at least 256 keys a slice
+    assert native.key_slices(3, 10, threads=2) == 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2-window", "qwen3"])
+def test_engine_tokens_equal_with_and_without_the_kernel(tmp_path, default_model_dir, family):
+    folder = make_tiny_model(tmp_path / family, family, default_model_dir)
+    fast = Engine.load(folder, store="memory")
+    plain = Engine.load(folder, store="memory", native_attention=False)
+    assert (fast.decoder.attention, plain.decoder.attention) == ("native", "PyTorch")
+    for method in ("full", "blend"):
+        a = plain.generate(QUERY, PASSAGES, method=method, max_new_tokens=16, ignore_eos=True)
+        b = fast.generate(QUERY, PASSAGES, method=method, max_new_tokens=16, ignore_eos=True)
+        assert b.token_ids == a.token_ids
+
+
+@needs_kernel
+def test_default_model_tokens_equal_with_and_without_the_kernel(default_engine):
+    """SmolLM2 in float32, past the split-key threshold (512 keys), on a long prompt."""
+    plain = Engine.load(default_engine.model_dir, store="memory", native_attention=False)
+    assert default_engine.decoder.attention == "native"
+    passages = [p * 6 for p in PASSAGES]
+    for e in (default_engine, plain):
+        e.ingest(passages)
+    a = plain.generate(QUERY, passages, max_new_tokens=12, ignore_eos=True)
+    b = default_engine.generate(QUERY, passages, max_new_tokens=12, ignore_eos=True)
+    assert a.stats.prompt_tokens > 600
+    assert b.token_ids == a.token_ids
+    assert torch.equal(a.first_token_logits, b.first_token_logits)  # the prefill does not use it
+
+
+def test_the_setting_is_checked():
+    with pytest.raises(CacheBlendError, match="native_attention must be True or False"):
+        EngineConfig(native_attention="yes")  # type: ignore[arg-type]
+
+
+def test_without_a_compiler_the_engine_decodes_with_pytorch(tmp_path, default_model_dir):
+    """A machine without a C++ compiler: the default engine logs why and answers with
+    PyTorch's kernel; asking for the kernel outright is an error naming the cause."""
+    folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
+        "from cacheblend import Engine, CacheBlendError\n"
+        f"e = Engine.load({str(folder)!r}, store='memory')\n"
+        "assert e.decoder.attention == 'PyTorch', e.decoder.attention\n"
+        "print(e.generate('Who?', ['A passage.'], max_new_tokens=4, ignore_eos=True).token_ids)\n"
+        "try:\n"
+        f"    Engine.load({str(folder)!r}, store='memory', native_attention=True)\n"
+        "except CacheBlendError as err:\n"
+        "    print('refused:', err)\n"
+    )
+    env = {**os.environ, "CXX": "/nonexistent/c++", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "native decode attention is off" in out.stderr
+    assert "refused: native_attention=True, but the native decode attention cannot run" in out.stdout
+    assert "no C++ compiler" in out.stdout or "AVX-512" in out.stdout
