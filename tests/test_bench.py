@@ -269,3 +269,25 @@ def test_the_vllm_peer_computes_in_the_engine_dtype(tiny_folder, tmp_path):
     assert {r["dtype"] for r in report["records"]} == {"bfloat16"}
     report = _bench_with_stand_in(tiny_folder, tmp_path, 99)
     assert (tmp_path / "python.dtype").read_text() == "float32"
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["VmHWM", "sampler"])
+def test_peak_rss_sees_a_freed_allocation_and_starts_again(monkeypatch, tmp_path, kernel):
+    """The answer's peak memory: an allocation freed inside the block still counts, and the
+    next block starts from the current resident set (the kernel's peak is reset), not from
+    the earlier peak."""
+    import time
+
+    from cacheblend.bench.latency import PeakRSS
+
+    if not kernel:
+        monkeypatch.setattr(PeakRSS, "CLEAR", tmp_path / "absent" / "clear_refs")
+    mib = 1024 * 1024
+    with PeakRSS() as first:
+        block = bytearray(b"\x01") * (300 * mib)  # written, so resident
+        time.sleep(0.05)  # the sampler's interval is 5 ms
+        del block
+    assert first.peak - first.before >= 250 * mib
+    with PeakRSS() as second:
+        pass
+    assert second.peak - second.before < 50 * mib

@@ -85,6 +85,8 @@ def test_wheels_carry_license_types_and_one_version(wheels):
         assert "License-Expression: Apache-2.0" in metadata, dist
         assert "Version: 0.1.0" in metadata, dist
         assert not any(n.startswith(("tests/", "benchmarks/", "examples/")) for n in names), dist
+        if dist == "cacheblend":  # the native kernel's source, built on first use
+            assert "cacheblend/native/decode_attention.cpp" in names
     with zipfile.ZipFile(wheels["langchain_cacheblend"]) as whl:
         (meta,) = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
         metadata = whl.read(meta).decode()
