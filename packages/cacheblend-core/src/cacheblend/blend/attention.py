@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..native import PositionalAttention
+
 # Buckets per plan, by compute dtype: on the AMX Xeon, blend at 15 % on 3.7K-token prompts
 # (one engine, settings alternating request by request, 12 requests each) took 1.18 / 1.21 /
 # 1.23 s with 8 / 6 / 4 buckets in float32, and 0.61 / 0.58 s with 8 / 4 in bf16, whose
@@ -68,7 +70,9 @@ class AttentionPlan:
     # (False: one masked call per bucket, the plan before; kept to measure the difference).
     SPLIT_PREFIX = True
 
-    def __init__(self, q_pos: Tensor, dtype: torch.dtype, window: int | None = None, groups: int = 1) -> None:
+    def __init__(self, q_pos: Tensor, dtype: torch.dtype, window: int | None = None, groups: int = 1,
+                 kernel: PositionalAttention | None = None) -> None:
+        """``kernel``: our prefill kernel (:mod:`cacheblend.native`), used for float32 plans."""
         m = q_pos.numel()
         self.q_pos = q_pos
         self.groups = groups
@@ -78,6 +82,10 @@ class AttentionPlan:
         self.window = window
         self.compute_dtype = torch.float32 if dtype in _UPCAST else dtype
         self.buckets: list[_Bucket] = []
+        self.kernel = kernel if dtype == torch.float32 and q_pos.device.type == "cpu" else None
+        if self.kernel is not None:
+            self.q_pos = q_pos.to(torch.int64).contiguous()
+            return  # one call, any positions and window: no buckets
         if self.causal and window is None:
             return  # the plain causal kernel is exact and fastest
         most = _BUCKETS_BF16 if self.compute_dtype == torch.bfloat16 else _BUCKETS
@@ -106,6 +114,8 @@ class AttentionPlan:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """``q`` [H, m, hd]; ``k``, ``v`` [KVH, n, hd] for positions 0..n-1. Returns [H, m, hd]."""
+        if self.kernel is not None:
+            return self.kernel(q, k, v, self.q_pos, scale, self.window or 0)
         if not self.buckets:
             return _sdpa(q, k[:, : q.shape[1]], v[:, : q.shape[1]], scale, is_causal=True)
         kvh, g = k.shape[0], self.groups
@@ -195,12 +205,13 @@ def positional_attention(
 class AttentionPlans:
     """One :class:`AttentionPlan` per distinct sliding window, built on first use."""
 
-    def __init__(self, q_pos: Tensor, dtype: torch.dtype, groups: int) -> None:
-        self.q_pos, self.dtype, self.groups = q_pos, dtype, groups
+    def __init__(self, q_pos: Tensor, dtype: torch.dtype, groups: int,
+                 kernel: PositionalAttention | None = None) -> None:
+        self.q_pos, self.dtype, self.groups, self.kernel = q_pos, dtype, groups, kernel
         self._plans: dict[int | None, AttentionPlan] = {}
 
     def __getitem__(self, window: int | None) -> AttentionPlan:
         plan = self._plans.get(window)
         if plan is None:
-            plan = self._plans[window] = AttentionPlan(self.q_pos, self.dtype, window, self.groups)
+            plan = self._plans[window] = AttentionPlan(self.q_pos, self.dtype, window, self.groups, self.kernel)
         return plan

@@ -173,7 +173,7 @@ def fused_prefill(
     h = dec.embed(lay.ids[active])
     checks, active_per_layer = {layer: i for i, layer in enumerate(config.check_layers)}, []
 
-    plans = AttentionPlans(active, shape.dtype, shape.groups)
+    plans = AttentionPlans(active, shape.dtype, shape.groups, dec.prefill_attention)
     loader = LayerLoader([s.cached for _, _, s in reused_spans], last_read + 1, prefetch)  # type: ignore[misc]
     try:
         for layer in range(shape.num_layers):
@@ -197,14 +197,14 @@ def fused_prefill(
                 keep = _check(config, checks[layer], active, lay, approx_kv, k, v, q_att, sample)
                 if keep is not None:  # HKVD tokens (and uncached ones) go on; the rest keep fresh K/V here
                     active, h, x = active[keep], h[keep], x[keep]
-                    plans = AttentionPlans(active, shape.dtype, shape.groups)
+                    plans = AttentionPlans(active, shape.dtype, shape.groups, dec.prefill_attention)
             active_per_layer.append(active.numel())
             rows = active
             if layer == shape.num_layers - 1 and attend is None and rows.numel() > 1:
                 # Past the last layer only the last position is read (its logits); every
                 # token's K/V is written above, so the other rows' attention and MLP are waste.
                 rows, h, x = rows[-1:], h[-1:], x[-1:]
-                plans = AttentionPlans(rows, shape.dtype, shape.groups)
+                plans = AttentionPlans(rows, shape.dtype, shape.groups, dec.prefill_attention)
             q = dec.rope(dec.queries(layer, x), cos[rows], sin[rows])
             if attend is not None:
                 attend(layer, rows, q, kv.k[layer, :, :n])

@@ -118,12 +118,16 @@ class Decoder:
         inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
         row_bytes = 2 * inter * self.shape.dtype.itemsize  # the gate and up products of one row
         self.row_tile: int = max(_MIN_ROW_TILE, _TILE_BYTES // row_bytes)
+        # our attention kernels (cacheblend.native): decode steps, and float32 prefill by position
         self.decode_attention: native.DecodeAttention | None = None
+        self.prefill_attention: native.PositionalAttention | None = None
         if native_attention is not False and native.fits(self.shape.dtype, head_dim):
             self.decode_attention = native.decode_attention()
+            if self.shape.dtype == torch.float32:
+                self.prefill_attention = native.positional_attention()
         if native_attention and self.decode_attention is None:
-            why = native.last_failure() or f"it takes float32 or bfloat16 with head_dim {native.HEAD_DIMS}"
-            raise CacheBlendError(f"native_attention=True, but the native decode attention cannot run: {why}")
+            why = native.last_failure() or f"they take float32 or bfloat16 with head_dim {native.HEAD_DIMS}"
+            raise CacheBlendError(f"native_attention=True, but the native attention kernels cannot run: {why}")
 
     @property
     def products(self) -> str:
@@ -133,7 +137,8 @@ class Decoder:
 
     @property
     def attention(self) -> str:
-        """What a decode step attends with: "native" (:mod:`cacheblend.native`) or "PyTorch"."""
+        """What attention runs on: "native" (:mod:`cacheblend.native`: decode steps, and the
+        prefill in float32) or "PyTorch"."""
         return "native" if self.decode_attention is not None else "PyTorch"
 
     # -- positions -------------------------------------------------------------------

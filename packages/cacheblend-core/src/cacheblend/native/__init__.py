@@ -1,15 +1,20 @@
 """Kernels of our own, compiled from C++ on first use and cached on disk.
 
-One so far: a decode step's attention (``decode_attention.cpp``).  A decode step reads every
-cached K and V once; PyTorch's CPU flash kernel does that at about half the machine's memory
-bandwidth when the query block is a single token's 3 grouped heads (docs/internals/latency.md).
+Two attention kernels (docs/internals/latency.md says what each replaced and why):
 
-The kernel is built with PyTorch's own extension builder (``torch.utils.cpp_extension``,
+* ``decode_attention.cpp``: a decode step's attention.  It reads every cached K and V once;
+  PyTorch's CPU flash kernel does that at about half the machine's memory bandwidth when
+  the query block is a single token's 3 grouped heads.
+* ``positional_attention.cpp``: prefill attention of query rows at sorted positions (full
+  prefill, and a blend's scattered recomputed rows) in float32.  PyTorch's causal kernel
+  only takes contiguous positions, so a blend's rows went through masked buckets.
+
+The kernels are built with PyTorch's own extension builder (``torch.utils.cpp_extension``,
 ninja and the system's C++ compiler) into ``$CACHEBLEND_HOME/extensions`` the first time a
-process asks for it on this machine (about 20 s), and loaded from there afterwards (under a
-second).  It needs AVX-512; where the CPU lacks it, or no compiler is found, or the build
-fails, :func:`decode_attention` says why once and returns None, and the decode step keeps
-PyTorch's kernel: a slower token, never a failed request.
+process asks for them on this machine (about 40 s), and loaded from there afterwards (under a
+second).  They need AVX-512; where the CPU lacks it, or no compiler is found, or the build
+fails, the module says why once and hands out None, and the engine keeps PyTorch's
+kernels: a slower answer, never a failed request.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,6 +36,8 @@ log = logging.getLogger("cacheblend.native")
 
 # q [H, 1, hd], k and v [KVH, capacity, hd] (rows contiguous), n keys, scale, key slices per head
 DecodeAttention = Callable[[Tensor, Tensor, Tensor, int, float, int], Tensor]
+# q [H, m, hd], k and v [KVH, n, hd], q_pos [m] sorted int64, scale, window (0: none) -> [H, m, hd]
+PositionalAttention = Callable[[Tensor, Tensor, Tensor, Tensor, float, int], Tensor]
 
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -38,10 +46,10 @@ DTYPES = (torch.float32, torch.bfloat16)
 # runs on any AVX-512 CPU; CPU_CAPABILITY_AVX512 selects ATen's AVX-512 vector types.
 _FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
           "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
-_SOURCE = Path(__file__).with_name("decode_attention.cpp")
+_SOURCES = [Path(__file__).with_name(f) for f in ("decode_attention.cpp", "positional_attention.cpp", "bindings.cpp")]
 
 _lock = threading.Lock()
-_built: dict[str, DecodeAttention | None] = {}
+_built: dict[str, Any] = {}
 _why_not: dict[str, str] = {}
 
 
@@ -63,21 +71,34 @@ def build_dir() -> Path:
     return cache_home() / "extensions" / f"torch-{torch.__version__}"
 
 
-def decode_attention() -> DecodeAttention | None:
-    """The compiled kernel, built or loaded once per process; None where it cannot run (the
+def _module() -> Any:
+    """The built module, built or loaded once per process; None where it cannot run (the
     reason is logged once)."""
     with _lock:
-        if "decode_attention" not in _built:
-            _built["decode_attention"] = _build()
-        return _built["decode_attention"]
+        if "module" not in _built:
+            _built["module"] = _build()
+        return _built["module"]
+
+
+def decode_attention() -> DecodeAttention | None:
+    """The decode-step kernel; None where the kernels cannot run here."""
+    module = _module()
+    return None if module is None else module.decode_attention  # type: ignore[no-any-return]
+
+
+def positional_attention() -> PositionalAttention | None:
+    """The prefill kernel (float32, head_dim in :data:`HEAD_DIMS`); None where the kernels
+    cannot run here."""
+    module = _module()
+    return None if module is None else module.positional_attention  # type: ignore[no-any-return]
 
 
 def last_failure() -> str | None:
     """Why the last build was refused or failed (None: it was built, or never tried)."""
-    return _why_not.get("decode_attention")
+    return _why_not.get("module")
 
 
-def _build() -> DecodeAttention | None:
+def _build() -> Any:
     reason = unavailable_reason()
     if reason is None:
         try:
@@ -87,13 +108,12 @@ def _build() -> DecodeAttention | None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
             folder = build_dir()
             folder.mkdir(parents=True, exist_ok=True)
-            module = cpp_extension.load("cacheblend_decode_attention", [str(_SOURCE)], extra_cflags=_FLAGS,
-                                        build_directory=str(folder), verbose=False)
-            return module.decode_attention  # type: ignore[no-any-return]
+            return cpp_extension.load("cacheblend_native", [str(f) for f in _SOURCES], extra_cflags=_FLAGS,
+                                      build_directory=str(folder), verbose=False)
         except Exception as e:  # noqa: BLE001 - any build failure: PyTorch's kernel runs instead
             reason = f"building it failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    _why_not["decode_attention"] = reason
-    log.warning("cacheblend: the native decode attention is off: %s; using PyTorch's kernel", reason)
+    _why_not["module"] = reason
+    log.warning("cacheblend: the native attention kernels are off: %s; using PyTorch's", reason)
     return None
 
 

@@ -7,7 +7,7 @@
 // keys: 16 keys' scores come out of one transposed reduction, softmax is taken over the slice,
 // V is streamed once with the accumulators in registers, and the slices are merged by their
 // maxima and sums (the softmax-of-partial-sums identity, exact up to rounding).
-// AVX-512 only; cacheblend/native/__init__.py builds it on first use and falls back otherwise.
+// AVX-512; cacheblend/native/__init__.py builds it on first use and falls back otherwise.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -166,8 +166,4 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   if (k.scalar_type() == torch::kFloat32) return dispatch_hd<float>(q, k, v, n, scale, splits);
   TORCH_CHECK(k.scalar_type() == torch::kBFloat16, "float32 or bfloat16 caches");
   return dispatch_hd<at::BFloat16>(q, k, v, n, scale, splits);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,12 @@
+// The module cacheblend/native/__init__.py builds: both kernels, called without the GIL.
+#include <torch/extension.h>
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n, double scale,
+                               int64_t splits);
+torch::Tensor positional_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_pos,
+                                   double scale, int64_t window);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("positional_attention", &positional_attention, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,219 @@
+// Prefill attention by position: query rows at sorted positions q_pos, query i sees keys
+// 0..q_pos[i] (with a sliding window w, only keys > q_pos[i] - w).  Full prefill is the
+// case q_pos = 0..n-1; a blend's recomputed rows are scattered through the prompt.
+//
+// Why a kernel of our own: PyTorch's causal kernel only takes contiguous positions, so a
+// blend's scattered rows went through buckets with masks and log-sum-exp merges
+// (blend/attention.py), about a quarter slower per query-key pair than this kernel.
+//
+// A work item is one KV head and QB consecutive query positions, with the grouped query
+// heads folded into its rows.  It walks the visible keys in blocks of KB: scores through an
+// 8-row x 32-key register tile over K transposed per block (contiguous, so the tile stays in
+// L1), masking only where a block crosses a row's position, an online softmax per row, then
+// the output through a 4-row x head_dim register tile over V.  Items go to threads by
+// their cost (rows x keys), largest first.  float32, AVX-512; cacheblend/native builds it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int KB = 512;  // keys per block: fewer blocks, fewer per-row softmax updates (64: 14 % slower)
+constexpr int QB = 32;   // query positions per work item (rows: groups x QB)
+static const float NEG = -std::numeric_limits<float>::infinity();
+
+// S[r][c] = sum_d Qs[r][d] * Kt[d][k0 + c], r in [0, R) (R multiple of 8), c in [0, KB)
+template <int HD>
+static inline void scores(const float* Qs, const float* Kb, int R, int width, float* S) {
+  for (int r0 = 0; r0 < R; r0 += 8) {
+    for (int c0 = 0; c0 < width; c0 += 32) {
+      __m512 acc[8][2];
+      for (int r = 0; r < 8; ++r) { acc[r][0] = _mm512_setzero_ps(); acc[r][1] = _mm512_setzero_ps(); }
+      const float* kp = Kb + c0;
+      for (int d = 0; d < HD; ++d) {
+        __m512 k0v = _mm512_loadu_ps(kp + d * KB), k1v = _mm512_loadu_ps(kp + d * KB + 16);
+        for (int r = 0; r < 8; ++r) {
+          __m512 qb = _mm512_set1_ps(Qs[(r0 + r) * HD + d]);
+          acc[r][0] = _mm512_fmadd_ps(qb, k0v, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(qb, k1v, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < 8; ++r) {
+        _mm512_storeu_ps(S + (r0 + r) * KB + c0, acc[r][0]);
+        _mm512_storeu_ps(S + (r0 + r) * KB + c0 + 16, acc[r][1]);
+      }
+    }
+  }
+}
+
+// O[r][:] += sum_c P[r][c] * V[c][:], c in [0, kn)
+template <int HD>
+static inline void accumulate(const float* P, const float* V, int64_t ldv, int kn, int R, float* O) {
+  constexpr int DV = HD / 16;
+  for (int r0 = 0; r0 < R; r0 += 4) {
+    __m512 o[4][DV];
+    for (int r = 0; r < 4; ++r) for (int d = 0; d < DV; ++d) o[r][d] = _mm512_loadu_ps(O + (r0 + r) * HD + 16 * d);
+    for (int c = 0; c < kn; ++c) {
+      __m512 vv[DV];
+      for (int d = 0; d < DV; ++d) vv[d] = _mm512_loadu_ps(V + c * ldv + 16 * d);
+      for (int r = 0; r < 4; ++r) {
+        __m512 p = _mm512_set1_ps(P[(r0 + r) * KB + c]);
+        for (int d = 0; d < DV; ++d) o[r][d] = _mm512_fmadd_ps(p, vv[d], o[r][d]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) for (int d = 0; d < DV; ++d) _mm512_storeu_ps(O + (r0 + r) * HD + 16 * d, o[r][d]);
+  }
+}
+
+struct Scratch {
+  std::vector<float> Qs, O, S, m, l;
+  std::vector<int64_t> rp;
+  Scratch(int R, int HD) : Qs(R * HD), O(R * HD), S(R * KB), m(R), l(R), rp(R) {}
+};
+
+template <int HD>
+static void item(const float* q, int64_t qhs, int64_t qrs, const float* Kt, const float* V, int64_t ldv,
+                 const int64_t* pos, int64_t i0, int64_t i1, int G, double scale, int64_t window, float* out,
+                 int64_t ohs, int64_t ors, int h, Scratch& w) {
+  const int n = i1 - i0;
+  const int R = ((G * n) + 7) / 8 * 8;
+  float* Qs_ = w.Qs.data();
+  float* O_ = w.O.data();
+  std::fill(Qs_, Qs_ + R * HD, 0.f); std::fill(O_, O_ + R * HD, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + R, NEG); std::fill(w.l.begin(), w.l.begin() + R, 0.f);
+  std::fill(w.rp.begin(), w.rp.begin() + R, pos[i1 - 1]);
+  float* S_ = w.S.data();
+  float* m = w.m.data(); float* l = w.l.data(); int64_t* rp = w.rp.data();
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < n; ++i) {
+      const float* src = q + (h * G + g) * qhs + (i0 + i) * qrs;
+      float* dst = Qs_ + (g * n + i) * HD;
+      for (int d = 0; d < HD; ++d) dst[d] = src[d] * (float)scale;
+      rp[g * n + i] = pos[i0 + i];
+    }
+  const int64_t pmin = pos[i0], pmax = pos[i1 - 1];
+  const int64_t kstart = window > 0 ? std::max<int64_t>(0, pmin - window + 1) / KB * KB : 0;
+  const int64_t kend = pmax + 1;
+  for (int64_t k0 = kstart; k0 < kend; k0 += KB) {
+    const int kn = (int)std::min<int64_t>(KB, kend - k0);
+    const int width = (kn + 31) / 32 * 32;
+    scores<HD>(Qs_, Kt + (k0 / KB) * HD * KB, R, width, S_);
+    const bool masked = k0 + KB - 1 > pmin || (window > 0 && k0 <= pmax - window);
+    for (int r = 0; r < R; ++r) {
+      float* s = S_ + r * KB;
+      if (masked || kn < width) {
+        const int64_t p = rp[r];
+        const int64_t hi = std::min<int64_t>(kn, std::max<int64_t>(0, p - k0 + 1));  // keys k0+c, c < hi, are visible
+        std::fill(s + hi, s + width, NEG);
+        if (window > 0) {
+          const int64_t lo = std::min<int64_t>(hi, std::max<int64_t>(0, p - window + 1 - k0));  // and c >= lo
+          std::fill(s, s + lo, NEG);
+        }
+      }
+      float bm = NEG;
+      Vec mv(NEG);
+      for (int c = 0; c < width; c += 16) mv = at::vec::maximum(mv, Vec::loadu(s + c));
+      bm = _mm512_reduce_max_ps(mv);
+      const float mnew = std::max(m[r], bm);
+      if (mnew == NEG) { for (int c = 0; c < width; ++c) s[c] = 0.f; continue; }
+      const float alpha = std::exp(m[r] - mnew);
+      Vec sum(0.f);
+      for (int c = 0; c < width; c += 16) {
+        Vec e = (Vec::loadu(s + c) - Vec(mnew)).exp_u20();
+        e.store(s + c);
+        sum = sum + e;
+      }
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+      if (alpha != 1.f) {
+        float* o = O_ + r * HD;
+        for (int d = 0; d < HD; d += 16) (Vec::loadu(o + d) * Vec(alpha)).store(o + d);
+      }
+      m[r] = mnew;
+    }
+    accumulate<HD>(S_, V + k0 * ldv, ldv, kn, R, O_);
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < n; ++i) {
+      const float* o = O_ + (g * n + i) * HD;
+      const float inv = 1.f / l[g * n + i];
+      float* dst = out + (h * G + g) * ohs + (i0 + i) * ors;
+      for (int d = 0; d < HD; ++d) dst[d] = o[d] * inv;
+    }
+}
+
+template <int HD>
+static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos,
+                         double scale, int64_t window) {
+  const int64_t H = q.size(0), M = q.size(1), KVH = k.size(0);
+  const int G = H / KVH;
+  const int64_t N = pos[M - 1].item<int64_t>() + 1;
+  const int64_t nb = (N + KB - 1) / KB, ldk = nb * HD * KB;
+  // K transposed in blocks of KB keys: [KVH][block][HD][KB], each block one contiguous 16 KB
+  auto Kt = torch::zeros({KVH, nb * KB, HD}, torch::kFloat32);
+  Kt.narrow(1, 0, N).copy_(k.narrow(1, 0, N));
+  Kt = Kt.view({KVH, nb, KB, HD}).transpose(2, 3).contiguous();
+  auto out = torch::empty({H, M, HD}, torch::kFloat32);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  // items: (head, block), cost ~ rows * keys; greedy to the least loaded thread
+  struct It { int h; int64_t i0, i1; double cost; };
+  std::vector<It> items;
+  for (int h = 0; h < KVH; ++h)
+    for (int64_t i0 = 0; i0 < M; i0 += QB) {
+      int64_t i1 = std::min<int64_t>(M, i0 + QB);
+      int64_t ks = window > 0 ? std::max<int64_t>(0, pp[i0] - window + 1) : 0;
+      items.push_back({h, i0, i1, double(i1 - i0) * double(pp[i1 - 1] + 1 - ks)});
+    }
+  std::sort(items.begin(), items.end(), [](const It& a, const It& b) { return a.cost > b.cost; });
+  const int T = at::get_num_threads();
+  std::vector<std::vector<int>> mine(T);
+  std::vector<double> load(T, 0.0);
+  for (int j = 0; j < (int)items.size(); ++j) {
+    int t = std::min_element(load.begin(), load.end()) - load.begin();
+    mine[t].push_back(j);
+    load[t] += items[j].cost;
+  }
+  const float* qp = q.data_ptr<float>();
+  const float* ktp = Kt.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
+    Scratch w((G * QB + 7) / 8 * 8, HD);
+    for (int64_t t = b; t < e; ++t)
+      for (int j : mine[t]) {
+        const It& it = items[j];
+        item<HD>(qp, q.stride(0), q.stride(1), ktp + it.h * ldk, vp + it.h * v.stride(0), v.stride(1),
+                 pp, it.i0, it.i1, G, scale, window, op, M * HD, HD, it.h, w);
+      }
+  });
+  return out;
+}
+
+// q [H, M, hd] float32 (rows contiguous), k and v [KVH, >=N, hd] (rows contiguous), q_pos [M] int64 sorted:
+// query i sees keys 0..q_pos[i] (and, with a window w > 0, only keys > q_pos[i] - w).
+torch::Tensor positional_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_pos, double scale,
+                                   int64_t window) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+              "float32 only");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "rows must be contiguous");
+  TORCH_CHECK(q_pos.scalar_type() == torch::kInt64 && q_pos.is_contiguous(), "q_pos must be contiguous int64");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2),
+              "q must be [heads, rows, head_dim], k and v [kv_heads, keys, head_dim]");
+  TORCH_CHECK(q.size(0) % k.size(0) == 0, "query heads must be a multiple of kv_heads");
+  TORCH_CHECK(q_pos.dim() == 1 && q_pos.size(0) == q.size(1) && q.size(1) >= 1, "q_pos must hold one position per query row");
+  const int64_t* p = q_pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < q_pos.size(0); ++i)
+    TORCH_CHECK(p[i] >= 0 && (i == 0 || p[i] >= p[i - 1]), "q_pos must be sorted and non-negative");
+  TORCH_CHECK(p[q_pos.size(0) - 1] < k.size(1), "q_pos reaches past the keys");
+  switch (k.size(2)) {
+    case 16: return run<16>(q, k, v, q_pos, scale, window);
+    case 32: return run<32>(q, k, v, q_pos, scale, window);
+    case 64: return run<64>(q, k, v, q_pos, scale, window);
+    case 128: return run<128>(q, k, v, q_pos, scale, window);
+    default: TORCH_CHECK(false, "head_dim must be 16, 32, 64 or 128");
+  }
+}
+
