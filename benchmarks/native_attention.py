@@ -1,13 +1,13 @@
-"""TTFT and decode with the native decode attention (``cacheblend.native``) against PyTorch's
-flash kernel split over two halves of the keys, in one process, interleaved.
+"""TTFT and decode with the native attention kernels (``cacheblend.native``: the decode step's,
+and the float32 prefill's by position) against PyTorch's kernels, in one process, interleaved.
 
     .venv/bin/python benchmarks/native_attention.py --limit 3 --ratios 0.15 --rounds 2 \
         --answer-tokens 32 --data ../shared/data [--dtype bfloat16] [--compile-decode]
 
 Two engines on the same model that differ only in ``native_attention``, alternating request
 by request on 6-passage musique dev prompts (see ``ab_args.engine_ab``); ``--compile-decode``
-runs both with the compiled decode step.  The prefill does not use the kernel, so TTFT should
-tie and the first-token logits should be equal.
+runs both with the compiled decode step.  In bf16 only the decode step changes (the prefill
+keeps PyTorch's kernels), so TTFT should tie there.
 """
 
 from __future__ import annotations

@@ -326,8 +326,8 @@ class EngineConfig:
     than through MKL (the winner varies by CPU and dtype);
     ``compile_decode``: each decode step as one compiled graph (:mod:`cacheblend.generate.compiled`:
     3–6 % faster per token; 12–20 s to compile once per machine, then about 3 s per process);
-    ``native_attention``: decode steps attend through our C++ kernel (:mod:`cacheblend.native`:
-    about 20 s to build once per machine; None: where it builds, True: required);
+    ``native_attention``: decode steps, and float32 prefill, attend through our C++ kernels
+    (:mod:`cacheblend.native`: about 40 s to build once per machine; None: where they build);
     ``reuse_kv_buffer``: keep the last request's fused KV buffer (:mod:`cacheblend.generate.kv_pool`)."""
 
     device: str = "cpu"

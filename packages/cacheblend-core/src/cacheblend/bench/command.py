@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--compile-decode", action="store_true",
                    help="run each decode step as one compiled graph (Engine.load(compile_decode=True))")
     p.add_argument("--no-native-attention", dest="native_attention", action="store_false",
-                   help="decode with PyTorch's attention kernel instead of ours (Engine.load(native_attention=False))")
+                   help="attend with PyTorch's kernels instead of ours (Engine.load(native_attention=False))")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the data directory (the folder holding musique_s.json ...); default: $CACHEBLEND_DATA")
