@@ -102,8 +102,8 @@ class Explanation:
             out |= evenly_spaced(self.chunk_spans, min(self.shift_share, ratio), len(self.tokens), out.device)
             keep -= int(out.sum())
         rest = cand[~out[cand]]
-        if keep > 0:
-            out[rest[self.deviation[rest].topk(min(keep, rest.numel())).indices]] = True
+        if keep > 0:  # ties go to the earlier token, as in the fusor (selection.priority: a stable sort)
+            out[rest[torch.argsort(-self.deviation[rest], stable=True)[:keep]]] = True
         return out
 
     def as_dict(self) -> dict[str, Any]:
