@@ -12,6 +12,10 @@ rule out no work: on 3.7K-token prompts the split made blend's TTFT 5–10 % sho
 5 % and 15 % (docs/performance.md).  All of this stays exact — unlike a
 bottom-right-aligned causal mask, which lets an early recomputed token see later ones.
 
+Where the engine has its own prefill kernel (:mod:`cacheblend.native`, float32), a plan
+hands the sorted positions to it in one call instead: it masks by position itself, with no
+buckets, and about a quarter faster per query–key pair than the buckets here.
+
 The active set is the same on every layer after the last check layer, so the buckets
 and their additive masks are built once (:class:`AttentionPlan`) and reused.  Grouped
 query heads are folded into the query rows (``[KVH, groups × rows, hd]``) so the kernel
