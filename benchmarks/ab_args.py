@@ -7,9 +7,11 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 
-def ab_arguments(doc: str | None, extra=None) -> argparse.Namespace:
+def ab_arguments(doc: str | None,
+                 extra: Callable[[argparse.ArgumentParser], object] | None = None) -> argparse.Namespace:
     """``--limit`` prompts, ``--ratios``, ``--rounds``, ``--data``, ``--model``, ``--out``,
     ``--answer-tokens``, ``--dtype``; ``extra(parser)`` adds a script's own."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n")[0])

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .blend.fusor import KVCache, Segment, fused_prefill
-from .blend.selection import kv_deviation
+from .blend.selection import Candidates, choose, kv_deviation
 from .blend.shift import evenly_spaced
 from .cache.chunks import LookupCounter
 from .config import BlendConfig, RequestOptions
@@ -102,8 +102,13 @@ class Explanation:
             out |= evenly_spaced(self.chunk_spans, min(self.shift_share, ratio), len(self.tokens), out.device)
             keep -= int(out.sum())
         rest = cand[~out[cand]]
-        if keep > 0:  # ties go to the earlier token, as in the fusor (selection.priority: a stable sort)
-            out[rest[torch.argsort(-self.deviation[rest], stable=True)[:keep]]] = True
+        if keep > 0:  # the fusor's own choice (its order, its ties), by deviation
+            chunk = torch.zeros(len(self.tokens), dtype=torch.long)
+            offset = torch.zeros_like(chunk)
+            for i, (start, end) in enumerate(self.chunk_spans):
+                chunk[start:end], offset[start:end] = i, torch.arange(end - start)
+            rows = Candidates(self.deviation[rest], None, chunk[rest], offset[rest])
+            out[rest[choose(BlendConfig(), rows, keep)]] = True
         return out
 
     def as_dict(self) -> dict[str, Any]:

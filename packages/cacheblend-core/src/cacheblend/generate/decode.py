@@ -66,11 +66,11 @@ def append_and_attend(dec: Decoder, kv: KVCache, layer: int, q: Tensor, k: Tenso
     else through ``plans`` (built for ``[pos]``).  The eager step and the compiled one's attention op share it."""
     kv.k[layer, :, pos : pos + 1] = k
     kv.v[layer, :, pos : pos + 1] = v
-    window = dec.shape.windows[layer]
-    if dec.decode_attention is not None and (window is None or window > pos):
-        n = pos + 1
-        return dec.decode_attention(q, kv.k[layer], kv.v[layer], n, dec.scaling,
-                                    native.key_slices(dec.shape.num_kv_heads, n))
-    if split_key_attention.fits(kv.k.dtype, pos + 1, kv.capacity) and (window is None or window > pos):
-        return split_key_attention(q, kv.k[layer], kv.v[layer], pos + 1, dec.scaling)
-    return plans[window](q, kv.k[layer, :, : pos + 1], kv.v[layer, :, : pos + 1], dec.scaling)
+    window, n = dec.shape.windows[layer], pos + 1
+    if window is None or window >= n:  # every cached key is visible
+        if dec.decode_attention is not None:
+            return dec.decode_attention(q, kv.k[layer], kv.v[layer], n, dec.scaling,
+                                        native.key_slices(dec.shape.num_kv_heads, n))
+        if split_key_attention.fits(kv.k.dtype, n, kv.capacity):
+            return split_key_attention(q, kv.k[layer], kv.v[layer], n, dec.scaling)
+    return plans[window](q, kv.k[layer, :, :n], kv.v[layer, :, :n], dec.scaling)

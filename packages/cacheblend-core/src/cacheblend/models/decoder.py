@@ -68,9 +68,9 @@ class Decoder:
         product on weights reordered for oneDNN (:mod:`.onednn`), which then replace the
         packed ones: ``hf_model``'s own forward no longer runs; None: only where oneDNN
         multiplies one row faster than MKL on this CPU (:func:`.onednn.faster_one_row`).
-        Otherwise transformers' modules run as they are.  ``native_attention``: decode steps
-        attend through our compiled kernel (:mod:`cacheblend.native`); None: where it builds
-        and fits the model; True: required (an error where it cannot run)."""
+        Otherwise transformers' modules run as they are.  ``native_attention``: decode steps,
+        and float32 prefill, attend through our compiled kernels (:mod:`cacheblend.native`);
+        None: where they build and fit the model; True: required (an error where they cannot)."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
