@@ -174,6 +174,7 @@ def fused_prefill(
     checks, active_per_layer = {layer: i for i, layer in enumerate(config.check_layers)}, []
 
     plans = AttentionPlans(active, shape.dtype, shape.groups, dec.prefill_attention)
+    tables = cos[active], sin[active]  # the active rows' RoPE tables, gathered once per active set
     loader = LayerLoader([s.cached for _, _, s in reused_spans], last_read + 1, prefetch)  # type: ignore[misc]
     try:
         for layer in range(shape.num_layers):
@@ -187,7 +188,7 @@ def fused_prefill(
                 _reposition(dec, kv, layer, reused_spans, cached, cos, sin, deltas)
             if capture is not None:
                 capture(layer, active, k, v)
-            _write(kv, layer, active, dec.rope(k, cos[active], sin[active]), v)
+            _write(kv, layer, active, dec.rope(k, *tables), v)
 
             if layer in checks and 0.0 < ratio < 1.0 and not direct:
                 approx_kv = [c for (_, _, s), c in zip(reused_spans, cached, strict=True) if not s.exact]
@@ -198,14 +199,16 @@ def fused_prefill(
                 if keep is not None:  # HKVD tokens (and uncached ones) go on; the rest keep fresh K/V here
                     active, h, x = active[keep], h[keep], x[keep]
                     plans = AttentionPlans(active, shape.dtype, shape.groups, dec.prefill_attention)
+                    tables = cos[active], sin[active]
             active_per_layer.append(active.numel())
-            rows = active
+            rows, row_tables = active, tables
             if layer == shape.num_layers - 1 and attend is None and rows.numel() > 1:
                 # Past the last layer only the last position is read (its logits); every
                 # token's K/V is written above, so the other rows' attention and MLP are waste.
                 rows, h, x = rows[-1:], h[-1:], x[-1:]
                 plans = AttentionPlans(rows, shape.dtype, shape.groups, dec.prefill_attention)
-            q = dec.rope(dec.queries(layer, x), cos[rows], sin[rows])
+                row_tables = cos[rows], sin[rows]
+            q = dec.rope(dec.queries(layer, x), *row_tables)
             if attend is not None:
                 attend(layer, rows, q, kv.k[layer, :, :n])
             plan = plans[shape.windows[layer]]

@@ -69,8 +69,9 @@ class Decoder:
         packed ones: ``hf_model``'s own forward no longer runs; None: only where oneDNN
         multiplies one row faster than MKL on this CPU (:func:`.onednn.faster_one_row`).
         Otherwise transformers' modules run as they are.  ``native_attention``: decode steps,
-        and float32 prefill, attend through our compiled kernels (:mod:`cacheblend.native`);
-        None: where they build and fit the model; True: required (an error where they cannot)."""
+        and float32 prefill, attend through our compiled kernels (:mod:`cacheblend.native`),
+        and a float32 model's RMSNorm, RoPE and SiLU gate run through its layer pieces; None:
+        where they build and fit the model; True: required (an error where they cannot)."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -125,6 +126,9 @@ class Decoder:
             self.decode_attention = native.decode_attention()
             if self.shape.dtype == torch.float32:
                 self.prefill_attention = native.positional_attention()
+                ops = native.layer_ops()
+                if ops is not None:  # and the layer's RMSNorm, RoPE and SiLU gate
+                    self.kernels.use_native(ops)
         if native_attention and self.decode_attention is None:
             why = native.last_failure() or f"they take float32 or bfloat16 with head_dim {native.HEAD_DIMS}"
             raise CacheBlendError(f"native_attention=True, but the native attention kernels cannot run: {why}")
@@ -264,7 +268,8 @@ class Decoder:
         blk = self.layers[layer]
         if self.dnn is not None:
             d, norm = self.dnn.layers[layer], blk.post_attention_layernorm
-            return finish(h, attn, d.o, d.o_bias, norm.weight, norm.variance_epsilon, d.gate_up, d.down, linear)
+            return finish(h, attn, d.o, d.o_bias, norm.weight, norm.variance_epsilon, d.gate_up, d.down, linear,
+                          self.kernels.norm, self.kernels.act)
         if self.packed is not None:
             p, norm = self.packed.layers[layer], blk.post_attention_layernorm
             return self.kernels.finish(h, attn, p.o, p.o_bias, norm.weight, norm.variance_epsilon,

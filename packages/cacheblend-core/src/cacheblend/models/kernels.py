@@ -19,13 +19,17 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .loader import cache_home
+
+if TYPE_CHECKING:
+    from ..native import LayerOps
 
 log = logging.getLogger("cacheblend.kernels")
 
@@ -57,25 +61,36 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
 
 
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """The gated MLP's hidden rows: SiLU of the gate times up, side by side in ``gate_up`` [n, 2·I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def finish(h: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, norm_w: Tensor, eps: float,
-           w_gate_up: Tensor, wd: Tensor, mm: Callable[[Tensor, Tensor], Tensor] = torch.matmul) -> Tensor:
+           w_gate_up: Tensor, wd: Tensor, mm: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
+           norm: Callable[[Tensor, Tensor, float], Tensor] = rms_norm,
+           act: Callable[[Tensor], Tensor] = silu_mul) -> Tensor:
     """Output projection and residual, then RMSNorm, the SiLU-gated MLP and its residual.
     ``attn`` is [n, H·hd]; the weights are packed ``[in, out]`` (:mod:`.packed`), gate and
-    up side by side in ``w_gate_up``, or reordered for ``mm`` (:func:`.onednn.linear`)."""
+    up side by side in ``w_gate_up``, or reordered for ``mm`` (:func:`.onednn.linear`);
+    ``norm`` and ``act`` may be the native pieces (:class:`Kernels`)."""
     o = mm(attn, wo)
     h = h + (o if bo is None else o + bo)
-    gate, up = mm(rms_norm(h, norm_w, eps), w_gate_up).chunk(2, dim=-1)
-    return h + mm(F.silu(gate) * up, wd)
+    return h + mm(act(mm(norm(h, norm_w, eps), w_gate_up)), wd)
 
 
 class Kernels:
-    """The layer pieces the decoder runs: the plain functions, or compiled ones that fall
-    back to the plain functions for good on their first failure."""
+    """The layer pieces the decoder runs: the plain functions, compiled ones that fall back
+    to the plain functions for good on their first failure, or (:meth:`use_native`) our
+    float32 pieces from :mod:`cacheblend.native`."""
 
     def __init__(self, compiled: bool = False) -> None:
         self.compiled = compiled
+        self.native = False
         self.rope: Callable[..., Tensor] = apply_rope
         self.norm: Callable[..., Tensor] = rms_norm
+        self.act: Callable[[Tensor], Tensor] = silu_mul
         self.finish: Callable[..., Tensor] = finish
         if compiled:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home() / "inductor"))
@@ -96,3 +111,28 @@ class Kernels:
                 return fn(*args)
 
         return run
+
+    def use_native(self, ops: LayerOps) -> None:
+        """Run RMSNorm, RoPE and the SiLU gate through ``ops`` (float32; where a call's
+        tensors do not fit them, e.g. broadcast tables, the plain function runs)."""
+        if self.compiled:
+            return  # inductor fuses these pieces itself
+
+        def norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+            if x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
+                return ops.rms_norm(x, weight, eps)
+            return rms_norm(x, weight, eps)
+
+        def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+            if x.dtype == cos.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1 \
+                    and cos.shape == sin.shape == (x.shape[1], x.shape[2]) and cos.stride(1) == sin.stride(1) == 1:
+                return ops.rope(x, cos, sin)
+            return apply_rope(x, cos, sin)
+
+        def act(gate_up: Tensor) -> Tensor:
+            if gate_up.dtype == torch.float32 and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+                return ops.silu_mul(gate_up)
+            return silu_mul(gate_up)
+
+        self.native, self.norm, self.rope, self.act = True, norm, rope, act
+        self.finish = partial(finish, norm=norm, act=act)

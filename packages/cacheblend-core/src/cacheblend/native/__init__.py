@@ -8,6 +8,10 @@ Two attention kernels (docs/internals/latency.md says what each replaced and why
 * ``positional_attention.cpp``: prefill attention of query rows at sorted positions (full
   prefill, and a blend's scattered recomputed rows) in float32.  PyTorch's causal kernel
   only takes contiguous positions, so a blend's rows went through masked buckets.
+* ``layer_ops.cpp``: a layer's elementwise parts in float32 (RMSNorm, RoPE, SiLU gate times
+  up), one pass each where PyTorch's CPU ops make several passes and temporaries.  RoPE and
+  the gate compute PyTorch's own expressions (the same bits); the norm sums in another
+  order (the last bit can differ).
 
 The kernels are built with PyTorch's own extension builder (``torch.utils.cpp_extension``,
 ninja and the system's C++ compiler) into ``$CACHEBLEND_HOME/extensions`` the first time a
@@ -24,6 +28,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +44,27 @@ DecodeAttention = Callable[[Tensor, Tensor, Tensor, int, float, int], Tensor]
 # q [H, m, hd], k and v [KVH, n, hd], q_pos [m] sorted int64, scale, window (0: none) -> [H, m, hd]
 PositionalAttention = Callable[[Tensor, Tensor, Tensor, Tensor, float, int], Tensor]
 
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The float32 layer pieces of ``layer_ops.cpp`` (shapes in its comments)."""
+
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # x [n, d], weight [d], eps -> [n, d]
+    rope: Callable[[Tensor, Tensor, Tensor], Tensor]  # x [heads, n, hd], cos, sin [n, hd] -> contiguous
+    silu_mul: Callable[[Tensor], Tensor]  # gate and up side by side [n, 2·I] -> [n, I]
+
+
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
 # -fopenmp: ATen's parallel_for is inline OpenMP (without it the kernel runs on one thread).
 # Explicit ISA flags rather than -march=native, so a build cached on a shared home directory
 # runs on any AVX-512 CPU; CPU_CAPABILITY_AVX512 selects ATen's AVX-512 vector types.
-_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-          "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
-_SOURCES = [Path(__file__).with_name(f) for f in ("decode_attention.cpp", "positional_attention.cpp", "bindings.cpp")]
+# -ffp-contract=off: a product is never fused into a sum unless the source says so, so the
+# bits do not depend on the compiler, and RoPE matches PyTorch's separate products and sum.
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+          "-mf16c", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+_SOURCES = [Path(__file__).with_name(f)
+            for f in ("decode_attention.cpp", "positional_attention.cpp", "layer_ops.cpp", "bindings.cpp")]
 
 _lock = threading.Lock()
 _built: dict[str, Any] = {}
@@ -91,6 +109,12 @@ def positional_attention() -> PositionalAttention | None:
     cannot run here."""
     module = _module()
     return None if module is None else module.positional_attention  # type: ignore[no-any-return]
+
+
+def layer_ops() -> LayerOps | None:
+    """The float32 layer pieces; None where the kernels cannot run here."""
+    module = _module()
+    return None if module is None else LayerOps(module.rms_norm, module.rope, module.silu_mul)
 
 
 def last_failure() -> str | None:

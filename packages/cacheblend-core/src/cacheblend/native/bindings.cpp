@@ -1,12 +1,19 @@
-// The module cacheblend/native/__init__.py builds: both kernels, called without the GIL.
+// The module cacheblend/native/__init__.py builds: the attention kernels and the layer pieces,
+// each called without the GIL.
 #include <torch/extension.h>
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n, double scale,
                                int64_t splits);
 torch::Tensor positional_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_pos,
                                    double scale, int64_t window);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_mul(torch::Tensor gu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>());
   m.def("positional_attention", &positional_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("rope", &rope, py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>());
 }

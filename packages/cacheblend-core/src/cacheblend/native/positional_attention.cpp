@@ -7,11 +7,15 @@
 // (blend/attention.py), about a quarter slower per query-key pair than this kernel.
 //
 // A work item is one KV head and QB consecutive query positions, with the grouped query
-// heads folded into its rows.  It walks the visible keys in blocks of KB: scores through an
-// 8-row x 32-key register tile over K transposed per block (contiguous, so the tile stays in
-// L1), masking only where a block crosses a row's position, an online softmax per row, then
-// the output through a 4-row x head_dim register tile over V.  Items go to threads by
-// their cost (rows x keys), largest first.  float32, AVX-512; cacheblend/native builds it.
+// heads folded into its rows.  It walks the visible keys in blocks of KB, and each block 8
+// rows at a time: scores through an 8-row x 32-key register tile over K transposed per
+// block (the rows' maxima taken from the registers), masking only where a block crosses a
+// row's position, an online softmax per row, then the output through a 4-row x head_dim
+// register tile over V.  The 8 rows' scores (16 KB) stay in L1 from the product to the
+// softmax to the product with V; a whole item's (96 rows, 192 KB) did not, and cost a tenth
+// more time.  Items go to threads by their cost (rows x keys), largest first.  float32,
+// AVX-512; cacheblend/native builds it (with -ffp-contract=off: the bits do not depend on
+// where the compiler would fuse a product into a sum).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -26,28 +30,30 @@ constexpr int KB = 512;  // keys per block: fewer blocks, fewer per-row softmax 
 constexpr int QB = 32;   // query positions per work item (rows: groups x QB)
 static const float NEG = -std::numeric_limits<float>::infinity();
 
-// S[r][c] = sum_d Qs[r][d] * Kt[d][k0 + c], r in [0, R) (R multiple of 8), c in [0, KB)
+// S[r][c] = sum_d Qs[r][d] * Kt[d][k0 + c] for 8 rows r (S has rows of KB); mx[r]: the rows' maxima
 template <int HD>
-static inline void scores(const float* Qs, const float* Kb, int R, int width, float* S) {
-  for (int r0 = 0; r0 < R; r0 += 8) {
-    for (int c0 = 0; c0 < width; c0 += 32) {
-      __m512 acc[8][2];
-      for (int r = 0; r < 8; ++r) { acc[r][0] = _mm512_setzero_ps(); acc[r][1] = _mm512_setzero_ps(); }
-      const float* kp = Kb + c0;
-      for (int d = 0; d < HD; ++d) {
-        __m512 k0v = _mm512_loadu_ps(kp + d * KB), k1v = _mm512_loadu_ps(kp + d * KB + 16);
-        for (int r = 0; r < 8; ++r) {
-          __m512 qb = _mm512_set1_ps(Qs[(r0 + r) * HD + d]);
-          acc[r][0] = _mm512_fmadd_ps(qb, k0v, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(qb, k1v, acc[r][1]);
-        }
-      }
+static inline void scores8(const float* Qs, const float* Kb, int width, float* S, float* mx) {
+  __m512 m[8];
+  for (int r = 0; r < 8; ++r) m[r] = _mm512_set1_ps(NEG);
+  for (int c0 = 0; c0 < width; c0 += 32) {
+    __m512 acc[8][2];
+    for (int r = 0; r < 8; ++r) { acc[r][0] = _mm512_setzero_ps(); acc[r][1] = _mm512_setzero_ps(); }
+    const float* kp = Kb + c0;
+    for (int d = 0; d < HD; ++d) {
+      __m512 k0v = _mm512_loadu_ps(kp + d * KB), k1v = _mm512_loadu_ps(kp + d * KB + 16);
       for (int r = 0; r < 8; ++r) {
-        _mm512_storeu_ps(S + (r0 + r) * KB + c0, acc[r][0]);
-        _mm512_storeu_ps(S + (r0 + r) * KB + c0 + 16, acc[r][1]);
+        __m512 qb = _mm512_set1_ps(Qs[r * HD + d]);
+        acc[r][0] = _mm512_fmadd_ps(qb, k0v, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(qb, k1v, acc[r][1]);
       }
     }
+    for (int r = 0; r < 8; ++r) {
+      _mm512_storeu_ps(S + r * KB + c0, acc[r][0]);
+      _mm512_storeu_ps(S + r * KB + c0 + 16, acc[r][1]);
+      m[r] = _mm512_max_ps(m[r], _mm512_max_ps(acc[r][0], acc[r][1]));
+    }
   }
+  for (int r = 0; r < 8; ++r) mx[r] = _mm512_reduce_max_ps(m[r]);
 }
 
 // O[r][:] += sum_c P[r][c] * V[c][:], c in [0, kn)
@@ -72,7 +78,7 @@ static inline void accumulate(const float* P, const float* V, int64_t ldv, int k
 struct Scratch {
   std::vector<float> Qs, O, S, m, l;
   std::vector<int64_t> rp;
-  Scratch(int R, int HD) : Qs(R * HD), O(R * HD), S(R * KB), m(R), l(R), rp(R) {}
+  Scratch(int R, int HD) : Qs(R * HD), O(R * HD), S(8 * KB), m(R), l(R), rp(R) {}
 };
 
 template <int HD>
@@ -101,40 +107,45 @@ static void item(const float* q, int64_t qhs, int64_t qrs, const float* Kt, cons
   for (int64_t k0 = kstart; k0 < kend; k0 += KB) {
     const int kn = (int)std::min<int64_t>(KB, kend - k0);
     const int width = (kn + 31) / 32 * 32;
-    scores<HD>(Qs_, Kt + (k0 / KB) * HD * KB, R, width, S_);
     const bool masked = k0 + KB - 1 > pmin || (window > 0 && k0 <= pmax - window);
-    for (int r = 0; r < R; ++r) {
-      float* s = S_ + r * KB;
-      if (masked || kn < width) {
-        const int64_t p = rp[r];
-        const int64_t hi = std::min<int64_t>(kn, std::max<int64_t>(0, p - k0 + 1));  // keys k0+c, c < hi, are visible
-        std::fill(s + hi, s + width, NEG);
-        if (window > 0) {
-          const int64_t lo = std::min<int64_t>(hi, std::max<int64_t>(0, p - window + 1 - k0));  // and c >= lo
-          std::fill(s, s + lo, NEG);
+    const float* Kb = Kt + (k0 / KB) * HD * KB;
+    for (int r0 = 0; r0 < R; r0 += 8) {
+      float bmx[8];
+      scores8<HD>(Qs_ + r0 * HD, Kb, width, S_, bmx);
+      for (int j = 0; j < 8; ++j) {
+        const int r = r0 + j;
+        float* s = S_ + j * KB;
+        float bm = bmx[j];
+        if (masked || kn < width) {
+          const int64_t p = rp[r];
+          const int64_t hi = std::min<int64_t>(kn, std::max<int64_t>(0, p - k0 + 1));
+          std::fill(s + hi, s + width, NEG);
+          if (window > 0) {
+            const int64_t lo = std::min<int64_t>(hi, std::max<int64_t>(0, p - window + 1 - k0));
+            std::fill(s, s + lo, NEG);
+          }
+          Vec mv(NEG);
+          for (int c = 0; c < width; c += 16) mv = at::vec::maximum(mv, Vec::loadu(s + c));
+          bm = _mm512_reduce_max_ps(mv);
         }
+        const float mnew = std::max(m[r], bm);
+        if (mnew == NEG) { for (int c = 0; c < width; ++c) s[c] = 0.f; continue; }
+        const float alpha = std::exp(m[r] - mnew);
+        Vec sum(0.f);
+        for (int c = 0; c < width; c += 16) {
+          Vec e = (Vec::loadu(s + c) - Vec(mnew)).exp_u20();
+          e.store(s + c);
+          sum = sum + e;
+        }
+        l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+        if (alpha != 1.f) {
+          float* o = O_ + r * HD;
+          for (int d = 0; d < HD; d += 16) (Vec::loadu(o + d) * Vec(alpha)).store(o + d);
+        }
+        m[r] = mnew;
       }
-      float bm = NEG;
-      Vec mv(NEG);
-      for (int c = 0; c < width; c += 16) mv = at::vec::maximum(mv, Vec::loadu(s + c));
-      bm = _mm512_reduce_max_ps(mv);
-      const float mnew = std::max(m[r], bm);
-      if (mnew == NEG) { for (int c = 0; c < width; ++c) s[c] = 0.f; continue; }
-      const float alpha = std::exp(m[r] - mnew);
-      Vec sum(0.f);
-      for (int c = 0; c < width; c += 16) {
-        Vec e = (Vec::loadu(s + c) - Vec(mnew)).exp_u20();
-        e.store(s + c);
-        sum = sum + e;
-      }
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
-      if (alpha != 1.f) {
-        float* o = O_ + r * HD;
-        for (int d = 0; d < HD; d += 16) (Vec::loadu(o + d) * Vec(alpha)).store(o + d);
-      }
-      m[r] = mnew;
+      accumulate<HD>(S_, V + k0 * ldv, ldv, kn, 8, O_ + r0 * HD);
     }
-    accumulate<HD>(S_, V + k0 * ldv, ldv, kn, R, O_);
   }
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < n; ++i) {
@@ -156,7 +167,9 @@ static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const t
   auto Kt = torch::zeros({KVH, nb * KB, HD}, torch::kFloat32);
   Kt.narrow(1, 0, N).copy_(k.narrow(1, 0, N));
   Kt = Kt.view({KVH, nb, KB, HD}).transpose(2, 3).contiguous();
-  auto out = torch::empty({H, M, HD}, torch::kFloat32);
+  // the output in [M, H, HD] memory, returned as its [H, M, HD] view: the caller's next step
+  // (the output projection) reads it as [M, H * HD] rows without a copy
+  auto out = torch::empty({M, H, HD}, torch::kFloat32);
   const int64_t* pp = pos.data_ptr<int64_t>();
   // items: (head, block), cost ~ rows * keys; greedy to the least loaded thread
   struct It { int h; int64_t i0, i1; double cost; };
@@ -186,10 +199,10 @@ static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const t
       for (int j : mine[t]) {
         const It& it = items[j];
         item<HD>(qp, q.stride(0), q.stride(1), ktp + it.h * ldk, vp + it.h * v.stride(0), v.stride(1),
-                 pp, it.i0, it.i1, G, scale, window, op, M * HD, HD, it.h, w);
+                 pp, it.i0, it.i1, G, scale, window, op, HD, H * HD, it.h, w);
       }
   });
-  return out;
+  return out.transpose(0, 1);
 }
 
 // q [H, M, hd] float32 (rows contiguous), k and v [KVH, >=N, hd] (rows contiguous), q_pos [M] int64 sorted:
