@@ -104,3 +104,17 @@ def test_the_decoder_uses_the_pieces_in_float32_only(tmp_path, default_model_dir
     assert Engine.load(folder, store="memory").decoder.kernels.native
     assert not Engine.load(folder, store="memory", native_attention=False).decoder.kernels.native
     assert not Engine.load(folder, store="memory", dtype="bfloat16").decoder.kernels.native
+
+
+@needs_kernel
+def test_rope_into_a_cache_slice_gives_pytorchs_bits():
+    """Re-positioning writes a chunk's keys into a slice of the fused cache [KVH, cap, hd]."""
+    ops, g = native.layer_ops(), torch.Generator().manual_seed(5)
+    x = torch.randn(3, 50, 64, generator=g)
+    cos, sin = torch.randn(50, 64, generator=g), torch.randn(50, 64, generator=g)
+    cache, want = torch.zeros(2, 3, 200, 64), torch.zeros(2, 3, 200, 64)
+    ops.rope_into(cache[1, :, 100:150], x, cos, sin)
+    rope_into(want[1, :, 100:150], x, cos, sin)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="out must have x's shape"):
+        ops.rope_into(cache[1, :, 100:140], x, cos, sin)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import native
 from ..errors import CacheBlendError
-from .kernels import Kernels, apply_rope, finish, rope_into, rotate_half
+from .kernels import Kernels, apply_rope, finish, rotate_half
 from .onednn import OneDnnWeights, faster_one_row, give_back_freed_memory, linear, release
 from .packed import PackedWeights
 
@@ -166,7 +166,7 @@ class Decoder:
         if self.kernels.compiled:
             out.copy_(self.kernels.rope(x, cos, sin))
         else:
-            rope_into(out, x, cos, sin)
+            self.kernels.rope_into(out, x, cos, sin)
 
     def attn_input(self, layer: int, h: Tensor) -> Tensor:
         norm = self.layers[layer].input_layernorm

@@ -89,6 +89,7 @@ class Kernels:
         self.compiled = compiled
         self.native = False
         self.rope: Callable[..., Tensor] = apply_rope
+        self.rope_into: Callable[[Tensor, Tensor, Tensor, Tensor], None] = rope_into
         self.norm: Callable[..., Tensor] = rms_norm
         self.act: Callable[[Tensor], Tensor] = silu_mul
         self.finish: Callable[..., Tensor] = finish
@@ -123,16 +124,23 @@ class Kernels:
                 return ops.rms_norm(x, weight, eps)
             return rms_norm(x, weight, eps)
 
+        def fits(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
+            return x.dtype == cos.dtype == sin.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1 \
+                and cos.shape == sin.shape == (x.shape[1], x.shape[2]) and cos.stride(1) == sin.stride(1) == 1
+
         def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-            if x.dtype == cos.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1 \
-                    and cos.shape == sin.shape == (x.shape[1], x.shape[2]) and cos.stride(1) == sin.stride(1) == 1:
-                return ops.rope(x, cos, sin)
-            return apply_rope(x, cos, sin)
+            return ops.rope(x, cos, sin) if fits(x, cos, sin) else apply_rope(x, cos, sin)
+
+        def rope_into_(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> None:
+            if fits(x, cos, sin) and out.dtype == torch.float32 and out.shape == x.shape and out.stride(2) == 1:
+                ops.rope_into(out, x, cos, sin)
+            else:
+                rope_into(out, x, cos, sin)
 
         def act(gate_up: Tensor) -> Tensor:
             if gate_up.dtype == torch.float32 and gate_up.dim() == 2 and gate_up.stride(1) == 1:
                 return ops.silu_mul(gate_up)
             return silu_mul(gate_up)
 
-        self.native, self.norm, self.rope, self.act = True, norm, rope, act
+        self.native, self.norm, self.rope, self.rope_into, self.act = True, norm, rope, rope_into_, act
         self.finish = partial(finish, norm=norm, act=act)

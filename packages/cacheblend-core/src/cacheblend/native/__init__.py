@@ -51,6 +51,7 @@ class LayerOps:
 
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # x [n, d], weight [d], eps -> [n, d]
     rope: Callable[[Tensor, Tensor, Tensor], Tensor]  # x [heads, n, hd], cos, sin [n, hd] -> contiguous
+    rope_into: Callable[[Tensor, Tensor, Tensor, Tensor], None]  # out, x (both [heads, n, hd]), cos, sin
     silu_mul: Callable[[Tensor], Tensor]  # gate and up side by side [n, 2·I] -> [n, I]
 
 
@@ -114,7 +115,7 @@ def positional_attention() -> PositionalAttention | None:
 def layer_ops() -> LayerOps | None:
     """The float32 layer pieces; None where the kernels cannot run here."""
     module = _module()
-    return None if module is None else LayerOps(module.rms_norm, module.rope, module.silu_mul)
+    return None if module is None else LayerOps(module.rms_norm, module.rope, module.rope_into, module.silu_mul)
 
 
 def last_failure() -> str | None:

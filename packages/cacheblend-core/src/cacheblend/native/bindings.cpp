@@ -8,6 +8,7 @@ torch::Tensor positional_attention(torch::Tensor q, torch::Tensor k, torch::Tens
                                    double scale, int64_t window);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+void rope_into(torch::Tensor out, torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -15,5 +16,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("positional_attention", &positional_attention, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rope", &rope, py::call_guard<py::gil_scoped_release>());
+  m.def("rope_into", &rope_into, py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>());
 }

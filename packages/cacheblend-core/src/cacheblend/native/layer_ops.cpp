@@ -55,29 +55,31 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-// x [heads, n, hd] (last dimension contiguous, any other strides), cos and sin [n, hd] (rows
-// contiguous) -> [heads, n, hd] contiguous: x * cos + rotate_half(x) * sin
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+// out = x * cos + rotate_half(x) * sin, x and out [heads, n, hd] (last dimension contiguous,
+// any other strides), cos and sin [n, hd] (rows contiguous)
+static void rope_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
   check_rows(x, 3, "x");
   check_rows(cos, 2, "cos");
   check_rows(sin, 2, "sin");
+  check_rows(out, 3, "out");
   const int64_t H = x.size(0), n = x.size(1), hd = x.size(2), half = hd / 2;
   TORCH_CHECK(hd % 2 == 0, "head_dim must be even");
   TORCH_CHECK(cos.size(0) == n && cos.size(1) == hd && sin.sizes() == cos.sizes(),
               "cos and sin must be [", n, ", ", hd, "]");
-  auto out = torch::empty({H, n, hd}, x.options());
+  TORCH_CHECK(out.sizes() == x.sizes(), "out must have x's shape");
   const float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t s0 = x.stride(0), s1 = x.stride(1), ldc = cos.stride(0), lds = sin.stride(0);
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), o0 = out.stride(0), o1 = out.stride(1);
+  const int64_t ldc = cos.stride(0), lds = sin.stride(0);
   at::parallel_for(0, H * n, 64, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const int64_t h = r / n, i = r % n;
       const float* xr = xp + h * s0 + i * s1;
       const float* c = cp + i * ldc;
       const float* s = sp + i * lds;
-      float* o = op + r * hd;
+      float* o = op + h * o0 + i * o1;
       for (int64_t j = 0; j < half; j += L) {  // first half: x * cos + (-x[j + half]) * sin
         const int64_t m = std::min(L, half - j);
         Vec lo = Vec::loadu(xr + j, m), hi = Vec::loadu(xr + half + j, m);
@@ -86,7 +88,18 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
       }
     }
   });
+}
+
+// x [heads, n, hd] -> x rotated, [heads, n, hd] contiguous
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  auto out = torch::empty(x.sizes(), x.options());
+  rope_rows(x, cos, sin, out);
   return out;
+}
+
+// x rotated into out (a slice of the fused cache: re-positioning a chunk's keys); out must not overlap x
+void rope_into(torch::Tensor out, torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  rope_rows(x, cos, sin, out);
 }
 
 // gu [n, 2 * I] (rows contiguous: the gate's I columns, then up's) -> silu(gate) * up, [n, I]

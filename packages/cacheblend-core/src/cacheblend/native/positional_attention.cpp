@@ -156,6 +156,25 @@ static void item(const float* q, int64_t qhs, int64_t qrs, const float* Kt, cons
     }
 }
 
+// Kt[h][b][d][c] = k[h][b * KB + c][d], zero past the N keys; one (head, block) per task
+template <int HD>
+static void transpose_keys(const torch::Tensor& k, int64_t N, torch::Tensor& Kt) {
+  const int64_t KVH = k.size(0), nb = Kt.size(1), s0 = k.stride(0), s1 = k.stride(1);
+  const float* kp = k.data_ptr<float>();
+  float* tp = Kt.data_ptr<float>();
+  at::parallel_for(0, KVH * nb, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t h = t / nb, blk = t % nb, c_end = std::min<int64_t>(KB, N - blk * KB);
+      float* dst = tp + t * HD * KB;
+      const float* src = kp + h * s0 + blk * KB * s1;
+      for (int64_t c = 0; c < c_end; ++c)
+        for (int d = 0; d < HD; ++d) dst[d * KB + c] = src[c * s1 + d];
+      if (c_end < KB)
+        for (int d = 0; d < HD; ++d) std::fill(dst + d * KB + c_end, dst + (d + 1) * KB, 0.f);
+    }
+  });
+}
+
 template <int HD>
 static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos,
                          double scale, int64_t window) {
@@ -164,9 +183,8 @@ static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const t
   const int64_t N = pos[M - 1].item<int64_t>() + 1;
   const int64_t nb = (N + KB - 1) / KB, ldk = nb * HD * KB;
   // K transposed in blocks of KB keys: [KVH][block][HD][KB], each block one contiguous 16 KB
-  auto Kt = torch::zeros({KVH, nb * KB, HD}, torch::kFloat32);
-  Kt.narrow(1, 0, N).copy_(k.narrow(1, 0, N));
-  Kt = Kt.view({KVH, nb, KB, HD}).transpose(2, 3).contiguous();
+  auto Kt = torch::empty({KVH, nb, HD, KB}, torch::kFloat32);
+  transpose_keys<HD>(k, N, Kt);
   // the output in [M, H, HD] memory, returned as its [H, M, HD] view: the caller's next step
   // (the output projection) reads it as [M, H * HD] rows without a copy
   auto out = torch::empty({M, H, HD}, torch::kFloat32);
