@@ -36,14 +36,15 @@ def test_rope_gives_pytorchs_bits(hd, n, heads):
 @needs_kernel
 @pytest.mark.parametrize(("n", "inter"), [(1, 1536), (682, 1536), (3, 4864)])
 def test_silu_gate_gives_pytorchs_bits(n, inter):
-    gate_up = torch.randn(n, 2 * inter, generator=torch.Generator().manual_seed(n)) * 4
-    assert torch.equal(native.layer_ops().silu_mul(gate_up), silu_mul(gate_up))
+    gate, up = (torch.randn(n, 2 * inter, generator=torch.Generator().manual_seed(n)) * 4).chunk(2, dim=-1)
+    assert torch.equal(native.layer_ops().silu_mul(gate, up), silu_mul(gate, up))
+    assert torch.equal(silu_mul(gate, up), F.silu(gate) * up)
 
 
 @needs_kernel
 def test_silu_gate_of_an_odd_width_is_within_rounding():
-    gate_up = torch.randn(5, 2 * 40) * 4
-    assert torch.allclose(native.layer_ops().silu_mul(gate_up), silu_mul(gate_up), rtol=1e-6, atol=1e-7)
+    gate, up = torch.randn(5, 40) * 4, torch.randn(5, 40)  # two products' outputs, not one's halves
+    assert torch.allclose(native.layer_ops().silu_mul(gate, up), silu_mul(gate, up), rtol=1e-6, atol=1e-7)
 
 
 @needs_kernel
@@ -68,8 +69,8 @@ def test_the_pieces_refuse_bad_input_by_name():
         ops.rms_norm(torch.randn(3, 8), torch.randn(9), 1e-5)
     with pytest.raises(RuntimeError, match=r"cos and sin must be \[5, 16\]"):
         ops.rope(torch.randn(2, 5, 16), torch.randn(4, 16), torch.randn(4, 16))
-    with pytest.raises(RuntimeError, match="even width"):
-        ops.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="gate and up must have one shape"):
+        ops.silu_mul(torch.randn(2, 7), torch.randn(2, 8))
 
 
 @needs_kernel
@@ -85,9 +86,8 @@ def test_kernels_fall_back_where_the_pieces_do_not_fit():
     assert torch.equal(k.rope(x32, c1, s1), apply_rope(x32, c1, s1))
     h, w = torch.randn(4, 32).bfloat16(), torch.randn(32).bfloat16()
     assert torch.equal(k.norm(h, w, 1e-5), rms_norm(h, w, 1e-5))
-    gu = torch.randn(4, 64).bfloat16()
-    assert torch.equal(k.act(gu), silu_mul(gu))
-    assert torch.equal(F.silu(gu[:, :32]) * gu[:, 32:], silu_mul(gu))
+    gate, up = torch.randn(4, 64).bfloat16().chunk(2, dim=-1)
+    assert torch.equal(k.act(gate, up), silu_mul(gate, up))
 
 
 @needs_kernel
@@ -104,6 +104,27 @@ def test_the_decoder_uses_the_pieces_in_float32_only(tmp_path, default_model_dir
     assert Engine.load(folder, store="memory").decoder.kernels.native
     assert not Engine.load(folder, store="memory", native_attention=False).decoder.kernels.native
     assert not Engine.load(folder, store="memory", dtype="bfloat16").decoder.kernels.native
+
+
+@needs_kernel
+def test_unpacked_weights_run_the_pieces_too(tmp_path, default_model_dir):
+    """The vLLM worker's engine keeps transformers' weights as they are (pack_weights=False,
+    shared file pages); its norms and gate still run through the pieces, and its tokens are
+    the packed engine's."""
+    from conftest import PASSAGES, QUERY
+
+    folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    unpacked = Engine.load(folder, store="memory", pack_weights=False)
+    assert unpacked.decoder.kernels.native and unpacked.decoder.products == "transformers"
+    calls = []
+    norm = unpacked.decoder.kernels.norm
+    unpacked.decoder.kernels.norm = lambda *a: calls.append(1) or norm(*a)  # type: ignore[method-assign]
+    packed = Engine.load(folder, store="memory")
+    for method in ("full", "blend"):
+        a = packed.generate(QUERY, PASSAGES, method=method, max_new_tokens=8, ignore_eos=True)
+        b = unpacked.generate(QUERY, PASSAGES, method=method, max_new_tokens=8, ignore_eos=True)
+        assert b.token_ids == a.token_ids
+    assert calls
 
 
 @needs_kernel

@@ -115,7 +115,8 @@ class Decoder:
                 release(hf_model, head=self.dnn.head is not None)
                 self.packed = None
                 give_back_freed_memory()
-        self._modules = self.packed is None and self.dnn is None  # transformers' modules run as they are
+        self._modules = self.packed is None and self.dnn is None  # transformers' projections run as they are
+        self._plain = plain  # then the norms and the SiLU gate still run through self.kernels
         inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
         row_bytes = 2 * inter * self.shape.dtype.itemsize  # the gate and up products of one row
         self.row_tile: int = max(_MIN_ROW_TILE, _TILE_BYTES // row_bytes)
@@ -170,7 +171,7 @@ class Decoder:
 
     def attn_input(self, layer: int, h: Tensor) -> Tensor:
         norm = self.layers[layer].input_layernorm
-        if self._modules:
+        if not self._plain:
             return norm(h)
         return self.kernels.norm(h, norm.weight, norm.variance_epsilon)
 
@@ -275,7 +276,12 @@ class Decoder:
             return self.kernels.finish(h, attn, p.o, p.o_bias, norm.weight, norm.variance_epsilon,
                                        p.gate_up, p.down)
         h = h + blk.self_attn.o_proj(attn)
-        return h + blk.mlp(blk.post_attention_layernorm(h))
+        if not self._plain:
+            return h + blk.mlp(blk.post_attention_layernorm(h))
+        # transformers' Llama MLP (the same products and bits), with our norm and gate
+        mlp, norm = blk.mlp, blk.post_attention_layernorm
+        x = self.kernels.norm(h, norm.weight, norm.variance_epsilon)
+        return h + mlp.down_proj(self.kernels.act(mlp.gate_proj(x), mlp.up_proj(x)))
 
     def logits(self, h: Tensor) -> Tensor:
         if self.dnn is not None and self.dnn.head is not None:

@@ -61,23 +61,23 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
-    """The gated MLP's hidden rows: SiLU of the gate times up, side by side in ``gate_up`` [n, 2·I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """The gated MLP's hidden rows: SiLU of the gate times up (as transformers' Llama MLP)."""
     return F.silu(gate) * up
 
 
 def finish(h: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, norm_w: Tensor, eps: float,
            w_gate_up: Tensor, wd: Tensor, mm: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
            norm: Callable[[Tensor, Tensor, float], Tensor] = rms_norm,
-           act: Callable[[Tensor], Tensor] = silu_mul) -> Tensor:
+           act: Callable[[Tensor, Tensor], Tensor] = silu_mul) -> Tensor:
     """Output projection and residual, then RMSNorm, the SiLU-gated MLP and its residual.
     ``attn`` is [n, H·hd]; the weights are packed ``[in, out]`` (:mod:`.packed`), gate and
     up side by side in ``w_gate_up``, or reordered for ``mm`` (:func:`.onednn.linear`);
     ``norm`` and ``act`` may be the native pieces (:class:`Kernels`)."""
     o = mm(attn, wo)
     h = h + (o if bo is None else o + bo)
-    return h + mm(act(mm(norm(h, norm_w, eps), w_gate_up)), wd)
+    gate, up = mm(norm(h, norm_w, eps), w_gate_up).chunk(2, dim=-1)
+    return h + mm(act(gate, up), wd)
 
 
 class Kernels:
@@ -91,7 +91,7 @@ class Kernels:
         self.rope: Callable[..., Tensor] = apply_rope
         self.rope_into: Callable[[Tensor, Tensor, Tensor, Tensor], None] = rope_into
         self.norm: Callable[..., Tensor] = rms_norm
-        self.act: Callable[[Tensor], Tensor] = silu_mul
+        self.act: Callable[[Tensor, Tensor], Tensor] = silu_mul
         self.finish: Callable[..., Tensor] = finish
         if compiled:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home() / "inductor"))
@@ -137,10 +137,11 @@ class Kernels:
             else:
                 rope_into(out, x, cos, sin)
 
-        def act(gate_up: Tensor) -> Tensor:
-            if gate_up.dtype == torch.float32 and gate_up.dim() == 2 and gate_up.stride(1) == 1:
-                return ops.silu_mul(gate_up)
-            return silu_mul(gate_up)
+        def act(gate: Tensor, up: Tensor) -> Tensor:
+            if gate.dtype == up.dtype == torch.float32 and gate.dim() == 2 and gate.shape == up.shape \
+                    and gate.stride(1) == up.stride(1) == 1:
+                return ops.silu_mul(gate, up)
+            return silu_mul(gate, up)
 
         self.native, self.norm, self.rope, self.rope_into, self.act = True, norm, rope, rope_into_, act
         self.finish = partial(finish, norm=norm, act=act)

@@ -52,7 +52,7 @@ class LayerOps:
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # x [n, d], weight [d], eps -> [n, d]
     rope: Callable[[Tensor, Tensor, Tensor], Tensor]  # x [heads, n, hd], cos, sin [n, hd] -> contiguous
     rope_into: Callable[[Tensor, Tensor, Tensor, Tensor], None]  # out, x (both [heads, n, hd]), cos, sin
-    silu_mul: Callable[[Tensor], Tensor]  # gate and up side by side [n, 2·I] -> [n, I]
+    silu_mul: Callable[[Tensor, Tensor], Tensor]  # gate, up [n, I] -> silu(gate) * up
 
 
 HEAD_DIMS = (16, 32, 64, 128)

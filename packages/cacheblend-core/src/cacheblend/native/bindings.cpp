@@ -9,7 +9,7 @@ torch::Tensor positional_attention(torch::Tensor q, torch::Tensor k, torch::Tens
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 void rope_into(torch::Tensor out, torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor silu_mul(torch::Tensor gu);
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>());

@@ -102,23 +102,27 @@ void rope_into(torch::Tensor out, torch::Tensor x, torch::Tensor cos, torch::Ten
   rope_rows(x, cos, sin, out);
 }
 
-// gu [n, 2 * I] (rows contiguous: the gate's I columns, then up's) -> silu(gate) * up, [n, I]
-torch::Tensor silu_mul(torch::Tensor gu) {
-  check_rows(gu, 2, "gu");
-  const int64_t n = gu.size(0), I = gu.size(1) / 2, ld = gu.stride(0);
-  TORCH_CHECK(gu.size(1) % 2 == 0, "gu must hold the gate and up side by side (an even width)");
-  auto out = torch::empty({n, I}, gu.options());
-  const float* gp = gu.data_ptr<float>();
+// silu(gate) * up, gate and up [n, I] (rows contiguous, any row strides: the two halves of
+// one packed product, or two products of transformers' modules) -> [n, I]
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+  check_rows(gate, 2, "gate");
+  check_rows(up, 2, "up");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up must have one shape");
+  const int64_t n = gate.size(0), I = gate.size(1), ldg = gate.stride(0), ldu = up.stride(0);
+  auto out = torch::empty({n, I}, gate.options());
+  const float* gp = gate.data_ptr<float>();
+  const float* up_ = up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const Vec one(1.f);
   at::parallel_for(0, n, 4, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      const float* g = gp + i * ld;
+      const float* g = gp + i * ldg;
+      const float* u = up_ + i * ldu;
       float* o = op + i * I;
       for (int64_t j = 0; j < I; j += L) {
         const int64_t m = std::min(L, I - j);
         Vec x = Vec::loadu(g + j, m);
-        ((x / (one + x.neg().exp())) * Vec::loadu(g + I + j, m)).store(o + j, m);
+        ((x / (one + x.neg().exp())) * Vec::loadu(u + j, m)).store(o + j, m);
       }
     }
   });
