@@ -70,7 +70,7 @@ class Decoder:
         multiplies one row faster than MKL on this CPU (:func:`.onednn.faster_one_row`).
         Otherwise transformers' modules run as they are.  ``native_attention``: decode steps,
         and float32 prefill, attend through our compiled kernels (:mod:`cacheblend.native`),
-        and a float32 model's RMSNorm, RoPE and SiLU gate run through its layer pieces; None:
+        and the layers' RMSNorm, RoPE and SiLU gate run through its layer pieces; None:
         where they build and fit the model; True: required (an error where they cannot)."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -127,9 +127,9 @@ class Decoder:
             self.decode_attention = native.decode_attention()
             if self.shape.dtype == torch.float32:
                 self.prefill_attention = native.positional_attention()
-                ops = native.layer_ops()
-                if ops is not None:  # and the layer's RMSNorm, RoPE and SiLU gate
-                    self.kernels.use_native(ops)
+            ops = native.layer_ops()
+            if ops is not None:  # and the layer's RMSNorm, RoPE and SiLU gate
+                self.kernels.use_native(ops)
         if native_attention and self.decode_attention is None:
             why = native.last_failure() or f"they take float32 or bfloat16 with head_dim {native.HEAD_DIMS}"
             raise CacheBlendError(f"native_attention=True, but the native attention kernels cannot run: {why}")

@@ -114,34 +114,36 @@ class Kernels:
         return run
 
     def use_native(self, ops: LayerOps) -> None:
-        """Run RMSNorm, RoPE and the SiLU gate through ``ops`` (float32; where a call's
-        tensors do not fit them, e.g. broadcast tables, the plain function runs)."""
+        """Run RMSNorm, RoPE and the SiLU gate through ``ops`` (float32 or bfloat16, every
+        tensor of a call in one dtype; where a call's tensors do not fit them, e.g.
+        broadcast tables or mixed dtypes, the plain function runs)."""
         if self.compiled:
             return  # inductor fuses these pieces itself
 
+        def ok(*ts: Tensor) -> bool:
+            return ts[0].dtype in _NATIVE_DTYPES and all(t.dtype == ts[0].dtype and t.stride(-1) == 1 for t in ts)
+
         def norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-            if x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
-                return ops.rms_norm(x, weight, eps)
-            return rms_norm(x, weight, eps)
+            return ops.rms_norm(x, weight, eps) if x.dim() == 2 and ok(x, weight) else rms_norm(x, weight, eps)
 
         def fits(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
-            return x.dtype == cos.dtype == sin.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1 \
-                and cos.shape == sin.shape == (x.shape[1], x.shape[2]) and cos.stride(1) == sin.stride(1) == 1
+            return x.dim() == 3 and cos.shape == sin.shape == (x.shape[1], x.shape[2]) and ok(x, cos, sin)
 
         def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
             return ops.rope(x, cos, sin) if fits(x, cos, sin) else apply_rope(x, cos, sin)
 
         def rope_into_(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> None:
-            if fits(x, cos, sin) and out.dtype == torch.float32 and out.shape == x.shape and out.stride(2) == 1:
+            if fits(x, cos, sin) and out.shape == x.shape and ok(x, out):
                 ops.rope_into(out, x, cos, sin)
             else:
                 rope_into(out, x, cos, sin)
 
         def act(gate: Tensor, up: Tensor) -> Tensor:
-            if gate.dtype == up.dtype == torch.float32 and gate.dim() == 2 and gate.shape == up.shape \
-                    and gate.stride(1) == up.stride(1) == 1:
-                return ops.silu_mul(gate, up)
-            return silu_mul(gate, up)
+            return ops.silu_mul(gate, up) if gate.dim() == 2 and gate.shape == up.shape and ok(gate, up) \
+                else silu_mul(gate, up)
 
         self.native, self.norm, self.rope, self.rope_into, self.act = True, norm, rope, rope_into_, act
         self.finish = partial(finish, norm=norm, act=act)
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)

@@ -8,8 +8,8 @@ Two attention kernels (docs/internals/latency.md says what each replaced and why
 * ``positional_attention.cpp``: prefill attention of query rows at sorted positions (full
   prefill, and a blend's scattered recomputed rows) in float32.  PyTorch's causal kernel
   only takes contiguous positions, so a blend's rows went through masked buckets.
-* ``layer_ops.cpp``: a layer's elementwise parts in float32 (RMSNorm, RoPE, SiLU gate times
-  up), one pass each where PyTorch's CPU ops make several passes and temporaries.  RoPE and
+* ``layer_ops.cpp``: a layer's elementwise parts in float32 or bfloat16 (RMSNorm, RoPE, SiLU
+  gate times up), one pass each where PyTorch's CPU ops make several passes and temporaries.  RoPE and
   the gate compute PyTorch's own expressions (the same bits); the norm sums in another
   order (the last bit can differ).
 
@@ -47,7 +47,7 @@ PositionalAttention = Callable[[Tensor, Tensor, Tensor, Tensor, float, int], Ten
 
 @dataclass(frozen=True)
 class LayerOps:
-    """The float32 layer pieces of ``layer_ops.cpp`` (shapes in its comments)."""
+    """The layer pieces of ``layer_ops.cpp``, float32 or bfloat16 (shapes in its comments)."""
 
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]  # x [n, d], weight [d], eps -> [n, d]
     rope: Callable[[Tensor, Tensor, Tensor], Tensor]  # x [heads, n, hd], cos, sin [n, hd] -> contiguous
@@ -113,7 +113,7 @@ def positional_attention() -> PositionalAttention | None:
 
 
 def layer_ops() -> LayerOps | None:
-    """The float32 layer pieces; None where the kernels cannot run here."""
+    """The layer pieces (float32, bfloat16); None where the kernels cannot run here."""
     module = _module()
     return None if module is None else LayerOps(module.rms_norm, module.rope, module.rope_into, module.silu_mul)
 

@@ -1,5 +1,5 @@
-// The elementwise parts of a layer in float32, each one pass over its rows where PyTorch's
-// CPU ops make several (and allocate a temporary per op):
+// The elementwise parts of a layer in float32 or bfloat16, each one pass over its rows where
+// PyTorch's CPU ops make several (and allocate a temporary per op):
 //
 // * RMSNorm: PyTorch's CPU rms_norm is a composite of six ops (square, mean, add, rsqrt, two
 //   products); here one pass to sum the squares and one to scale.  The sum is taken in
@@ -11,7 +11,10 @@
 // * SiLU gate times up: the same expression as PyTorch's SiLU kernel (x / (1 + exp(-x)) with
 //   the same vectorized exp), then the product: the same bits, without the gate's temporary.
 //
-// Rows are independent: a row's result does not depend on which other rows share the call.
+// bfloat16 is computed in float32 and rounded to bfloat16 wherever PyTorch's bfloat16 ops
+// round (after each product and sum; the norm in float32, then rounded, then times the
+// weight).  Rows are independent: a row's result does not depend on which other rows share
+// the call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -20,74 +23,115 @@
 #include <cmath>
 
 using Vec = at::vec::Vectorized<float>;
+using BF16 = at::BFloat16;
 constexpr int64_t L = Vec::size();
 
-static void check_rows(const torch::Tensor& x, int dims, const char* name) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, " must be float32");
+// Loads and stores of m <= 16 elements as float32 lanes; round(): to the element type and back.
+template <typename T> struct Io;
+template <> struct Io<float> {
+  static Vec load(const float* p, int64_t m) { return m == L ? Vec::loadu(p) : Vec::loadu(p, m); }
+  static void store(float* p, const Vec& v, int64_t m) { if (m == L) v.store(p); else v.store(p, m); }
+  static Vec round(const Vec& v) { return v; }
+};
+template <> struct Io<BF16> {
+  static __mmask16 mask(int64_t m) { return (__mmask16)((1u << m) - 1); }
+  static Vec load(const BF16* p, int64_t m) {
+    __m256i a = m == L ? _mm256_loadu_si256((const __m256i*)p) : _mm256_maskz_loadu_epi16(mask(m), p);
+    __m512 o;
+    at::vec::cvtbf16_fp32(a, o);
+    return Vec(o);
+  }
+  static void store(BF16* p, const Vec& v, int64_t m) {
+    __m256i b = at::vec::cvtfp32_bf16(__m512(v));
+    if (m == L) _mm256_storeu_si256((__m256i*)p, b); else _mm256_mask_storeu_epi16(p, mask(m), b);
+  }
+  static Vec round(const Vec& v) {
+    __m512 o;
+    at::vec::cvtbf16_fp32(at::vec::cvtfp32_bf16(__m512(v)), o);
+    return Vec(o);
+  }
+};
+
+static void check_rows(const torch::Tensor& x, int dims, const char* name, c10::ScalarType dtype) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              name, " must be float32 or bfloat16");
+  TORCH_CHECK(x.scalar_type() == dtype, name, " must have the input's dtype");
   TORCH_CHECK(x.dim() == dims, name, " must have ", dims, " dimensions");
   TORCH_CHECK(x.stride(dims - 1) == 1, name, "'s rows must be contiguous");
 }
 
-// x [n, d] (rows contiguous), w [d] -> [n, d]: x * rsqrt(mean(x^2) + eps) * w, in that order
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  check_rows(x, 2, "x");
+template <typename T>
+static void norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
+  using IO = Io<T>;
   const int64_t n = x.size(0), d = x.size(1), ldx = x.stride(0);
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 1 && w.size(0) == d && w.is_contiguous(),
-              "the norm's weight must be float32 [", d, "]");
-  auto out = torch::empty({n, d}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      const float* xr = xp + i * ldx;
-      float* o = op + i * d;
+      const T* xr = xp + i * ldx;
+      T* o = op + i * d;
       Vec acc(0.f);
-      int64_t j = 0;
-      for (; j + L <= d; j += L) { Vec v = Vec::loadu(xr + j); acc = at::vec::fmadd(v, v, acc); }
-      if (j < d) { Vec v = Vec::loadu(xr + j, d - j); acc = at::vec::fmadd(v, v, acc); }
-      const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(d) + float(eps));
-      const Vec rv(r);
-      for (j = 0; j + L <= d; j += L) ((Vec::loadu(xr + j) * rv) * Vec::loadu(wp + j)).store(o + j);
-      if (j < d) ((Vec::loadu(xr + j, d - j) * rv) * Vec::loadu(wp + j, d - j)).store(o + j, d - j);
+      for (int64_t j = 0; j < d; j += L) { Vec v = IO::load(xr + j, std::min(L, d - j)); acc = at::vec::fmadd(v, v, acc); }
+      const Vec r(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(d) + float(eps)));
+      for (int64_t j = 0; j < d; j += L) {
+        const int64_t m = std::min(L, d - j);
+        IO::store(o + j, IO::round(IO::load(xr + j, m) * r) * IO::load(wp + j, m), m);
+      }
     }
   });
+}
+
+// x [n, d] (rows contiguous), w [d] -> [n, d]: x * rsqrt(mean(x^2) + eps), then times w
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, 2, "x", x.scalar_type());
+  check_rows(w, 1, "the norm's weight", x.scalar_type());
+  TORCH_CHECK(w.size(0) == x.size(1), "the norm's weight must be [", x.size(1), "]");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == torch::kFloat32) norm_rows<float>(x, w, eps, out); else norm_rows<BF16>(x, w, eps, out);
   return out;
 }
 
-// out = x * cos + rotate_half(x) * sin, x and out [heads, n, hd] (last dimension contiguous,
-// any other strides), cos and sin [n, hd] (rows contiguous)
-static void rope_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
-  check_rows(x, 3, "x");
-  check_rows(cos, 2, "cos");
-  check_rows(sin, 2, "sin");
-  check_rows(out, 3, "out");
+template <typename T>
+static void rope_typed(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+  using IO = Io<T>;
   const int64_t H = x.size(0), n = x.size(1), hd = x.size(2), half = hd / 2;
-  TORCH_CHECK(hd % 2 == 0, "head_dim must be even");
-  TORCH_CHECK(cos.size(0) == n && cos.size(1) == hd && sin.sizes() == cos.sizes(),
-              "cos and sin must be [", n, ", ", hd, "]");
-  TORCH_CHECK(out.sizes() == x.sizes(), "out must have x's shape");
-  const float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const int64_t s0 = x.stride(0), s1 = x.stride(1), o0 = out.stride(0), o1 = out.stride(1);
   const int64_t ldc = cos.stride(0), lds = sin.stride(0);
   at::parallel_for(0, H * n, 64, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const int64_t h = r / n, i = r % n;
-      const float* xr = xp + h * s0 + i * s1;
-      const float* c = cp + i * ldc;
-      const float* s = sp + i * lds;
-      float* o = op + h * o0 + i * o1;
+      const T* xr = xp + h * s0 + i * s1;
+      const T* c = cp + i * ldc;
+      const T* s = sp + i * lds;
+      T* o = op + h * o0 + i * o1;
       for (int64_t j = 0; j < half; j += L) {  // first half: x * cos + (-x[j + half]) * sin
         const int64_t m = std::min(L, half - j);
-        Vec lo = Vec::loadu(xr + j, m), hi = Vec::loadu(xr + half + j, m);
-        (lo * Vec::loadu(c + j, m) + hi.neg() * Vec::loadu(s + j, m)).store(o + j, m);
-        (hi * Vec::loadu(c + half + j, m) + lo * Vec::loadu(s + half + j, m)).store(o + half + j, m);
+        Vec lo = IO::load(xr + j, m), hi = IO::load(xr + half + j, m);
+        IO::store(o + j, IO::round(lo * IO::load(c + j, m)) + IO::round(hi.neg() * IO::load(s + j, m)), m);
+        IO::store(o + half + j, IO::round(hi * IO::load(c + half + j, m)) + IO::round(lo * IO::load(s + half + j, m)), m);
       }
     }
   });
+}
+
+// out = x * cos + rotate_half(x) * sin, x and out [heads, n, hd] (last dimension contiguous,
+// any other strides), cos and sin [n, hd] (rows contiguous)
+static void rope_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+  check_rows(x, 3, "x", x.scalar_type());
+  check_rows(cos, 2, "cos", x.scalar_type());
+  check_rows(sin, 2, "sin", x.scalar_type());
+  check_rows(out, 3, "out", x.scalar_type());
+  const int64_t n = x.size(1), hd = x.size(2);
+  TORCH_CHECK(hd % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(cos.size(0) == n && cos.size(1) == hd && sin.sizes() == cos.sizes(),
+              "cos and sin must be [", n, ", ", hd, "]");
+  TORCH_CHECK(out.sizes() == x.sizes(), "out must have x's shape");
+  if (x.scalar_type() == torch::kFloat32) rope_typed<float>(x, cos, sin, out); else rope_typed<BF16>(x, cos, sin, out);
 }
 
 // x [heads, n, hd] -> x rotated, [heads, n, hd] contiguous
@@ -102,29 +146,35 @@ void rope_into(torch::Tensor out, torch::Tensor x, torch::Tensor cos, torch::Ten
   rope_rows(x, cos, sin, out);
 }
 
-// silu(gate) * up, gate and up [n, I] (rows contiguous, any row strides: the two halves of
-// one packed product, or two products of transformers' modules) -> [n, I]
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
-  check_rows(gate, 2, "gate");
-  check_rows(up, 2, "up");
-  TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up must have one shape");
+template <typename T>
+static void gate_rows(const torch::Tensor& gate, const torch::Tensor& up, torch::Tensor& out) {
+  using IO = Io<T>;
   const int64_t n = gate.size(0), I = gate.size(1), ldg = gate.stride(0), ldu = up.stride(0);
-  auto out = torch::empty({n, I}, gate.options());
-  const float* gp = gate.data_ptr<float>();
-  const float* up_ = up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* gp = gate.data_ptr<T>();
+  const T* up_ = up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const Vec one(1.f);
   at::parallel_for(0, n, 4, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      const float* g = gp + i * ldg;
-      const float* u = up_ + i * ldu;
-      float* o = op + i * I;
+      const T* g = gp + i * ldg;
+      const T* u = up_ + i * ldu;
+      T* o = op + i * I;
       for (int64_t j = 0; j < I; j += L) {
         const int64_t m = std::min(L, I - j);
-        Vec x = Vec::loadu(g + j, m);
-        ((x / (one + x.neg().exp())) * Vec::loadu(u + j, m)).store(o + j, m);
+        Vec x = IO::load(g + j, m);
+        IO::store(o + j, IO::round(x / (one + x.neg().exp())) * IO::load(u + j, m), m);
       }
     }
   });
+}
+
+// silu(gate) * up, gate and up [n, I] (rows contiguous, any row strides: the two halves of
+// one packed product, or two products of transformers' modules) -> [n, I]
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+  check_rows(gate, 2, "gate", gate.scalar_type());
+  check_rows(up, 2, "up", gate.scalar_type());
+  TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up must have one shape");
+  auto out = torch::empty({gate.size(0), gate.size(1)}, gate.options());
+  if (gate.scalar_type() == torch::kFloat32) gate_rows<float>(gate, up, out); else gate_rows<BF16>(gate, up, out);
   return out;
 }
