@@ -11,7 +11,9 @@ memory, each path runs once to warm up, then under ``torch.profiler``:
 
 Ops are grouped into matmul (projections and MLP), attention, norm, elementwise (RoPE,
 SiLU, residuals), indexing and copies, and other; "outside ops" is wall time no op
-accounts for (Python, dispatch, the loader thread's hand-offs).  Figures go to the
+accounts for (Python, dispatch, the loader thread's hand-offs).  The engine's own kernels
+(``cacheblend.native``) are not PyTorch ops, so the script labels each call
+(``cacheblend::<name>``, :func:`label_native`) and counts them in their groups.  Figures go to the
 console as tables and to ``--out`` as JSON; docs/performance.md quotes them.
 """
 
@@ -27,21 +29,24 @@ from collections import defaultdict
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from cacheblend import Engine
+from cacheblend import Engine, native
 from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
 from cacheblend.config import BlendConfig
 from cacheblend.datasets import QA_PREAMBLE, load_qa
 from cacheblend.generate.decode import decode_step
+from cacheblend.native import LayerOps
 
 GROUPS = {
     "matmul": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::_mkldnn", "aten::mkldnn",
                "mkldnn::"),  # oneDNN's products on reordered weights (models/onednn.py)
     "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product", "aten::softmax",
-                  "aten::_softmax", "aten::bmm", "aten::baddbmm", "aten::masked_fill"),
-    "norm": ("aten::rsqrt", "aten::pow", "aten::mean", "aten::var"),
-    "elementwise": ("aten::mul", "aten::add", "aten::silu", "aten::neg", "aten::sub", "aten::div", "aten::sigmoid"),
+                  "aten::_softmax", "aten::bmm", "aten::baddbmm", "aten::masked_fill",
+                  "cacheblend::positional_attention", "cacheblend::decode_attention"),
+    "norm": ("aten::rsqrt", "aten::pow", "aten::mean", "aten::var", "cacheblend::rms_norm"),
+    "elementwise": ("aten::mul", "aten::add", "aten::silu", "aten::neg", "aten::sub", "aten::div", "aten::sigmoid",
+                    "cacheblend::rope", "cacheblend::silu_mul"),
     "indexing and copies": ("aten::index", "aten::index_put", "aten::index_select", "aten::gather", "aten::copy_",
                             "aten::cat", "aten::clone", "aten::contiguous", "aten::to", "aten::_to_copy",
                             "aten::slice", "aten::select", "aten::view", "aten::empty", "aten::zeros", "aten::stack",
@@ -64,7 +69,7 @@ def profiled(fn, repeats: int = 1) -> dict:
         for _ in range(repeats):
             fn()
         wall = (time.perf_counter() - t) / repeats
-    ops = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::"))]
+    ops = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::", "cacheblend::"))]
     groups: dict[str, float] = defaultdict(float)
     for e in ops:
         groups[group_of(e.key)] += e.self_cpu_time_total / 1e6 / repeats
@@ -73,6 +78,26 @@ def profiled(fn, repeats: int = 1) -> dict:
     return {"wall_s": wall, "groups_s": dict(groups), "outside_ops_s": max(0.0, wall - in_ops),
             "top_ops": [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6 / repeats, "calls": e.count // repeats}
                         for e in top]}
+
+
+def labelled(name: str, fn):
+    """``fn`` run under a profiler label, so its time is counted (it is not a PyTorch op)."""
+    def call(*args):
+        with record_function(f"cacheblend::{name}"):
+            return fn(*args)
+    return call
+
+
+def label_native(engine: Engine) -> None:
+    """Label the decoder's native kernels and layer pieces, where they run."""
+    dec = engine.decoder
+    for attr, label in (("decode_attention", "decode_attention"), ("prefill_attention", "positional_attention")):
+        if getattr(dec, attr) is not None:
+            setattr(dec, attr, labelled(label, getattr(dec, attr)))
+    ops = native.layer_ops()
+    if dec.kernels.native and ops is not None:
+        pieces = ("rms_norm", "rope", "rope_into", "silu_mul")
+        dec.kernels.use_native(LayerOps(*(labelled(f, getattr(ops, f)) for f in pieces)))
 
 
 def run(engine: Engine, ex, steps: int) -> dict:
@@ -138,6 +163,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="Engine.load(dtype=...), e.g. bfloat16")
     args = ap.parse_args()
     engine = Engine.load(args.model, store="memory", compile=args.compile, dtype=args.dtype)
+    label_native(engine)
     examples = load_qa("musique", "dev", limit=args.limit, passages=6, data=args.data)
     runs = [run(engine, ex, args.steps) for ex in examples]
     summary = summarise(runs)
