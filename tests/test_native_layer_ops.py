@@ -156,3 +156,14 @@ def test_rope_into_a_cache_slice_gives_pytorchs_bits():
     assert torch.equal(cache, want)
     with pytest.raises(RuntimeError, match="out must have x's shape"):
         ops.rope_into(cache[1, :, 100:140], x, cos, sin)
+
+
+def test_each_torch_installation_builds_in_its_own_folder(tmp_path, monkeypatch):
+    """Two environments with one PyTorch version (an app's venv and a vLLM server's) must not
+    share a build folder: the build names each installation's include and library folders, so
+    they rebuilt each other's module (40 s) at every switch."""
+    monkeypatch.setenv("CACHEBLEND_HOME", str(tmp_path))
+    here = native.build_dir()
+    assert here.parent == tmp_path / "extensions" and here.name.startswith(f"torch-{torch.__version__}-")
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert native.build_dir() != here and native.build_dir().parent == here.parent

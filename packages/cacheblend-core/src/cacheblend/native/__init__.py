@@ -23,6 +23,7 @@ kernels: a slower answer, never a failed request.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -86,8 +87,13 @@ def unavailable_reason() -> str | None:
 
 
 def build_dir() -> Path:
-    """Where built kernels are cached: one folder per PyTorch version (ABI)."""
-    return cache_home() / "extensions" / f"torch-{torch.__version__}"
+    """Where built kernels are cached: one folder per PyTorch installation (its version and
+    where it is installed).  Why the place too: the build names the installation's include
+    and library folders, so two environments with the same PyTorch version (an app's and a
+    vLLM server's) sharing one folder would rebuild each other's module at every switch,
+    and could overwrite a module another process is loading."""
+    where = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:10]
+    return cache_home() / "extensions" / f"torch-{torch.__version__}-{where}"
 
 
 def _module() -> Any:
