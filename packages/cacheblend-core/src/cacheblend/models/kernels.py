@@ -1,4 +1,6 @@
-"""The elementwise parts of a layer as functions, optionally compiled with ``torch.compile``.
+"""The elementwise parts of a layer as functions: plain PyTorch, compiled with
+``torch.compile``, or our own one-pass kernels (:meth:`Kernels.use_native`,
+:mod:`cacheblend.native`, float32 and bfloat16: the default where they build).
 
 The profile (docs/performance.md) puts a tenth of full prefill in elementwise work run as
 separate eager ops over [n, d] tensors: RMSNorm (square, mean, rsqrt, two products), RoPE
@@ -83,7 +85,7 @@ def finish(h: Tensor, attn: Tensor, wo: Tensor, bo: Tensor | None, norm_w: Tenso
 class Kernels:
     """The layer pieces the decoder runs: the plain functions, compiled ones that fall back
     to the plain functions for good on their first failure, or (:meth:`use_native`) our
-    float32 pieces from :mod:`cacheblend.native`."""
+    pieces from :mod:`cacheblend.native`."""
 
     def __init__(self, compiled: bool = False) -> None:
         self.compiled = compiled
