@@ -181,3 +181,25 @@ def test_processes_opening_a_new_disk_store_at_once(tmp_path):
 
     failed = open_at_once([str(tmp_path / f"s{i}") for i in range(24)])
     assert failed == []
+
+
+def test_an_evicted_write_leaves_a_newer_writers_entry_alone(tmp_path):
+    """A write evicted while it wrote must not delete the key's row afterwards: another
+    process may have reserved and published the same key meanwhile, and its file would sit
+    outside the index, over the capacity (the race behind a failure of
+    test_two_processes_share_one_disk_store on 2026-12-05)."""
+    key = "cd" * 32
+    kv = ChunkKV(torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16))
+    ours, theirs = DiskStore(tmp_path), DiskStore(tmp_path)
+
+    def evicted_then_rewritten(key_: str, tmp: str, path) -> bool:
+        theirs.index.write("DELETE FROM entries WHERE key = ?", (key_,))  # they evict our reservation ...
+        assert theirs.put(key_, kv)  # ... and write the key themselves
+        return False  # so our publish finds no row
+
+    ours._publish = evicted_then_rewritten  # type: ignore[method-assign]
+    assert not ours.put(key, kv)
+    assert theirs.keys() == [key] and theirs.get(key) is not None  # their row stands
+    assert theirs.nbytes == sum(p.stat().st_size for p in tmp_path.glob("??/*.safetensors"))
+    assert not list(tmp_path.glob("cd/.tmp-*"))
+    assert ours.write_errors == 0  # a lost race, not a failing disk

@@ -199,7 +199,12 @@ class DiskStore:
                 self.skipped_writes += 1
                 return False
             path.parent.mkdir(exist_ok=True)
-            self._write(key, blob, path)
+            if not self._write(key, blob, path):
+                # another process evicted this reservation while we wrote: its row is gone
+                # already, and deleting "our" row now could delete a newer writer's (whose
+                # file would then sit outside the index, over the capacity)
+                self.skipped_writes += 1
+                return False
         except (OSError, sqlite3.Error, IndexUnwritable) as e:  # full, read-only, gone
             self.index.write("DELETE FROM entries WHERE key = ?", (key,))
             self._write_failed(e)
@@ -219,20 +224,22 @@ class DiskStore:
             meta[SIGNATURE] = self.signer.sign(key, meta, digests)
         return tensors, meta | {"layer_sha256": json.dumps(digests)}
 
-    def _write(self, key: str, blob: bytes, path: Path) -> None:
-        """Write to a temp file we hold a lock on, then move it into place."""
+    def _write(self, key: str, blob: bytes, path: Path) -> bool:
+        """Write to a temp file we hold a lock on, then move it into place; False when the
+        reservation was evicted meanwhile (the file is dropped)."""
         fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{key}-", dir=path.parent)
+        published = False
         try:
             with os.fdopen(fd, "wb") as f:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # "a live writer": reclaim leaves it alone
                 f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
-                if not self._publish(key, tmp, path):
-                    raise FileNotFoundError("evicted by another writer while being written")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+                published = self._publish(key, tmp, path)
+        finally:
+            if not published:
+                Path(tmp).unlink(missing_ok=True)
+        return published
 
     def _write_failed(self, e: BaseException) -> None:
         with self._lock:
