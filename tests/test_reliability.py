@@ -183,7 +183,7 @@ def test_processes_opening_a_new_disk_store_at_once(tmp_path):
     assert failed == []
 
 
-def test_an_evicted_write_leaves_a_newer_writers_entry_alone(tmp_path):
+def test_an_evicted_write_leaves_a_newer_writers_entry_alone(tmp_path, monkeypatch):
     """A write evicted while it wrote must not delete the key's row afterwards: another
     process may have reserved and published the same key meanwhile, and its file would sit
     outside the index, over the capacity (the race behind a failure of
@@ -197,7 +197,7 @@ def test_an_evicted_write_leaves_a_newer_writers_entry_alone(tmp_path):
         assert theirs.put(key_, kv)  # ... and write the key themselves
         return False  # so our publish finds no row
 
-    ours._publish = evicted_then_rewritten  # type: ignore[method-assign]
+    monkeypatch.setattr(ours, "_publish", evicted_then_rewritten)  # the race, made to happen
     assert not ours.put(key, kv)
     assert theirs.keys() == [key] and theirs.get(key) is not None  # their row stands
     assert theirs.nbytes == sum(p.stat().st_size for p in tmp_path.glob("??/*.safetensors"))
