@@ -276,6 +276,7 @@ def test_peak_rss_sees_a_freed_allocation_and_starts_again(monkeypatch, tmp_path
     """The answer's peak memory: an allocation freed inside the block still counts, and the
     next block starts from the current resident set (the kernel's peak is reset), not from
     the earlier peak."""
+    import mmap
     import time
 
     from cacheblend.bench.latency import PeakRSS
@@ -284,9 +285,13 @@ def test_peak_rss_sees_a_freed_allocation_and_starts_again(monkeypatch, tmp_path
         monkeypatch.setattr(PeakRSS, "CLEAR", tmp_path / "absent" / "clear_refs")
     mib = 1024 * 1024
     with PeakRSS() as first:
-        block = bytearray(b"\x01") * (300 * mib)  # written, so resident
+        # fresh pages from the kernel, written so they are resident: a bytearray could reuse
+        # free heap memory that is already resident after earlier tests (and failed so in CI)
+        block = mmap.mmap(-1, 300 * mib)
+        for i in range(0, 300 * mib, mmap.PAGESIZE):
+            block[i] = 1
         time.sleep(0.05)  # the sampler's interval is 5 ms
-        del block
+        block.close()
     assert first.peak - first.before >= 250 * mib
     with PeakRSS() as second:
         pass
