@@ -122,8 +122,10 @@ class Kernels:
         if self.compiled:
             return  # inductor fuses these pieces itself
 
+        from ..native import DTYPES  # the dtypes the pieces take (one definition)
+
         def ok(*ts: Tensor) -> bool:
-            return ts[0].dtype in _NATIVE_DTYPES and all(t.dtype == ts[0].dtype and t.stride(-1) == 1 for t in ts)
+            return ts[0].dtype in DTYPES and all(t.dtype == ts[0].dtype and t.stride(-1) == 1 for t in ts)
 
         def norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
             return ops.rms_norm(x, weight, eps) if x.dim() == 2 and ok(x, weight) else rms_norm(x, weight, eps)
@@ -147,5 +149,3 @@ class Kernels:
         self.native, self.norm, self.rope, self.rope_into, self.act = True, norm, rope, rope_into_, act
         self.finish = partial(finish, norm=norm, act=act)
 
-
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
