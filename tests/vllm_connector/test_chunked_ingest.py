@@ -13,6 +13,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 pytest.importorskip("vllm")
 
@@ -54,4 +55,18 @@ def test_a_chunk_longer_than_one_prefill_step_is_saved_after_its_last_step(tmp_p
     entry = read_entry(open_store(f"disk:{tmp_path / 'kv'}").open(handle.key))
     assert entry is not None and entry.meta["model"] == core.fingerprint
     ref = core.precompute_chunk(ids)
-    assert (entry.k - ref.k).abs().max() < 1e-3 and (entry.v - ref.v).abs().max() < 1e-3
+    for saved, own in ((entry.k, ref.k), (entry.v, ref.v)):
+        _assert_same_rows(saved, own)
+
+
+def _assert_same_rows(saved, own):
+    """vLLM's chunked prefill and the core's kernels are two float32 implementations, so
+    their K/V agree to rounding carried through 30 layers, not bit for bit: on this
+    project's AMX Xeon the largest difference per layer is 1e-5 to 8e-5, on the CI's CPU
+    it reached 1e-2 (values up to about 20) in the last layers. What the test guards fails
+    by far more: a row saved from another step or position, or keys left rotated, points
+    elsewhere (cosine well below 0.99) and is off by O(1)."""
+    per_layer = (saved - own).abs().amax(dim=(1, 2, 3))
+    cosine = torch.nn.functional.cosine_similarity(saved, own, dim=-1)  # one per (layer, head, token)
+    assert cosine.min() > 0.9999, f"a row points elsewhere (cosine {cosine.min():.6f}); per layer {per_layer}"
+    assert per_layer.max() < 5e-2, f"largest difference per layer: {per_layer}"
