@@ -5,7 +5,7 @@
 On 6-passage musique dev prompts (the bench's main setting), with the chunk caches in
 memory, each path runs once to warm up, then under ``torch.profiler``:
 
-- **full prefill** and **blend at 15 %** through ``Engine.generate`` with one new token
+- **full prefill** and **blend at 15 %** (``--ratios`` for others) through ``Engine.generate`` with one new token
   (what TTFT is), with the engine's own phase timings (tokenize, lookup, load, prefill);
 - **one decode step** after the full prompt (mean over ``--steps`` steps).
 
@@ -100,10 +100,15 @@ def label_native(engine: Engine) -> None:
         dec.kernels.use_native(LayerOps(*(labelled(f, getattr(ops, f)) for f in pieces)))
 
 
-def run(engine: Engine, ex, steps: int) -> dict:
+def blend_path(ratio: float) -> str:
+    return f"blend {ratio * 100:g} %"
+
+
+def run(engine: Engine, ex, steps: int, ratios: tuple[float, ...] = (0.15,)) -> dict:
     engine.ingest(ex.passages)
     out = {}
-    for name, opts in (("full prefill", {"method": "full"}), ("blend 15 %", {"recompute_ratio": 0.15})):
+    paths = [("full prefill", {"method": "full"})] + [(blend_path(r), {"recompute_ratio": r}) for r in ratios]
+    for name, opts in paths:
         def gen(o=opts):
             return engine.generate(ex.query, ex.passages, preamble=QA_PREAMBLE, max_new_tokens=1, **o)
 
@@ -125,7 +130,7 @@ def run(engine: Engine, ex, steps: int) -> dict:
 
 
 def summarise(runs: list[dict]) -> dict:
-    paths = ("full prefill", "blend 15 %", "decode step")
+    paths = [k for k in runs[0] if k != "prompt_tokens"]
     summary = {}
     for path in paths:
         rows = [r[path] for r in runs]
@@ -161,11 +166,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON output")
     ap.add_argument("--compile", action="store_true", help="Engine.load(compile=True)")
     ap.add_argument("--dtype", default=None, help="Engine.load(dtype=...), e.g. bfloat16")
+    ap.add_argument("--ratios", default="0.15", help="blend recompute ratios, comma-separated")
     args = ap.parse_args()
     engine = Engine.load(args.model, store="memory", compile=args.compile, dtype=args.dtype)
     label_native(engine)
     examples = load_qa("musique", "dev", limit=args.limit, passages=6, data=args.data)
-    runs = [run(engine, ex, args.steps) for ex in examples]
+    ratios = tuple(float(r) for r in args.ratios.split(","))
+    runs = [run(engine, ex, args.steps, ratios) for ex in examples]
     summary = summarise(runs)
     print_tables(summary)
     if args.out:

@@ -111,6 +111,25 @@ def test_prefill_kernel_matches_attention_by_position(hd, heads, kv_heads, windo
 
 
 @needs_kernel
+@pytest.mark.parametrize("window", [0, 300])
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(window):
+    """Each 8-row tile walks the keys up to its own last position, so rows far apart in one
+    work item (a blend's scattered rows) skip what they cannot see; the keys skipped would
+    only add exact zeros, so every row's bits equal those of the row attended alone."""
+    kernel = native.positional_attention()
+    g = torch.Generator().manual_seed(5)
+    n = 1800
+    k, v = torch.randn(3, n, 64, generator=g), torch.randn(3, n, 64, generator=g)
+    q_pos = torch.cat([torch.arange(3, 9), torch.tensor([600, 1030, 1031]), torch.arange(1500, 1520),
+                       torch.tensor([n - 1])])
+    q = torch.randn(9, q_pos.numel(), 64, generator=g)
+    together = kernel(q, k, v, q_pos, 0.125, window)
+    for i in range(q_pos.numel()):
+        alone = kernel(q[:, i : i + 1].contiguous(), k, v, q_pos[i : i + 1], 0.125, window)
+        assert torch.equal(together[:, i : i + 1], alone), int(q_pos[i])
+
+
+@needs_kernel
 def test_prefill_kernel_takes_strided_queries_and_refuses_bad_input():
     """The fusor's queries are a view, and the cache a layer of the fused cache."""
     kernel = native.positional_attention()
