@@ -1,4 +1,4 @@
-"""The native layer pieces (``cacheblend.native.layer_ops``: RMSNorm, RoPE, the SiLU gate)
+"""The native layer pieces (``cacheblend.native.layer_ops``: RMSNorm, RoPE, re-positioning, the SiLU gate)
 and the prefill kernel's output layout: RoPE and the gate give PyTorch's own bits in float32
 and bfloat16 (the chunk caches' re-positioning may compute RoPE in PyTorch, so the two must
 agree), the norm is within rounding, every row's result is its own (whatever rows share the
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cacheblend import Engine, native
-from cacheblend.models.kernels import Kernels, apply_rope, rms_norm, rope_into, silu_mul
+from cacheblend.models.kernels import Kernels, apply_rope, reposition, rms_norm, rope_into, silu_mul
 from conftest import make_tiny_model
 
 needs_kernel = pytest.mark.skipif(native.unavailable_reason() is not None,
@@ -167,3 +167,56 @@ def test_each_torch_installation_builds_in_its_own_folder(tmp_path, monkeypatch)
     assert here.parent == tmp_path / "extensions" and here.name.startswith(f"torch-{torch.__version__}-")
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
     assert native.build_dir() != here and native.build_dir().parent == here.parent
+
+
+def _spans_with_shifts(dtype, g):
+    """Three reused spans of a 200-position cache (the shift on both halves, on K only, none),
+    their K/V as stored (the first a strided view of an entry), and the RoPE tables."""
+    entry = torch.randn(2, 3, 70, 64, generator=g).to(dtype)  # [K or V, KVH, tokens, hd]
+    cached = [(entry[0], entry[1])] + [tuple(torch.randn(3, m, 64, generator=g).to(dtype) for _ in range(2))
+                                       for m in (41, 1)]
+    shift = torch.randn(3, 4, 64, generator=g).to(dtype)  # the segment means [KVH, spans, hd]
+    shifts = [(shift[:, 0:1], shift[:, 1:2]), (shift[:, 2:3], None), None]
+    cos, sin = torch.randn(200, 64, generator=g).to(dtype), torch.randn(200, 64, generator=g).to(dtype)
+    return [5, 90, 150], cached, shifts, cos, sin
+
+
+@needs_kernel
+@DTYPES
+def test_reposition_gives_the_per_span_pytorch_bits(dtype):
+    """One call re-positions every span of a layer: keys plus their shift, rotated; values
+    plus theirs; the same bits as the per-span PyTorch ops, and nothing else written."""
+    starts, cached, shifts, cos, sin = _spans_with_shifts(dtype, torch.Generator().manual_seed(9))
+    cache, want = torch.zeros(2, 2, 3, 210, 64, dtype=dtype), torch.zeros(2, 2, 3, 210, 64, dtype=dtype)
+    native.layer_ops().reposition(cache[0, 1], cache[1, 1], starts, [k for k, _ in cached], [v for _, v in cached],
+                                  [s[0] if s else None for s in shifts], [s[1] if s else None for s in shifts],
+                                  cos, sin)
+    reposition(want[0, 1], want[1, 1], starts, cached, shifts, cos, sin)
+    assert torch.equal(cache, want)
+    k = Kernels()
+    k.use_native(native.layer_ops())
+    k.reposition(cache[0, 0], cache[1, 0], starts, cached, shifts, cos, sin)  # through the decoder's pieces
+    assert torch.equal(cache[:, 0], want[:, 1])
+
+
+@needs_kernel
+def test_reposition_falls_back_and_refuses_bad_input_by_name():
+    starts, cached, shifts, cos, sin = _spans_with_shifts(torch.float32, torch.Generator().manual_seed(3))
+    k = Kernels()
+    k.use_native(native.layer_ops())
+    narrow = [(ck.bfloat16(), cv.bfloat16()) for ck, cv in cached]  # stored narrower than the cache
+    nshifts = [None if s is None else tuple(None if d is None else d.bfloat16() for d in s) for s in shifts]
+    out, want = torch.zeros(2, 3, 200, 64), torch.zeros(2, 3, 200, 64)
+    k.reposition(out[0], out[1], starts, narrow, nshifts, cos, sin)
+    reposition(want[0], want[1], starts, narrow, nshifts, cos, sin)
+    assert torch.equal(out, want)
+    ops, ks, vs = native.layer_ops(), [c[0] for c in cached], [c[1] for c in cached]
+    none = [None] * 3
+    with pytest.raises(RuntimeError, match="span 1 runs past the cache"):
+        ops.reposition(out[0, :, :100], out[1, :, :100], starts, ks, vs, none, none, cos, sin)
+    with pytest.raises(RuntimeError, match="one start, K, V, dk and dv per span"):
+        ops.reposition(out[0], out[1], starts[:2], ks, vs, none, none, cos, sin)
+    with pytest.raises(RuntimeError, match=r"a shift must be \[3, 1, 64\]"):
+        ops.reposition(out[0], out[1], starts, ks, vs, [torch.zeros(3, 2, 64), None, None], none, cos, sin)
+    with pytest.raises(RuntimeError, match="a span's K must have the input's dtype"):
+        ops.reposition(out[0], out[1], starts, [ks[0].bfloat16(), *ks[1:]], vs, none, none, cos, sin)

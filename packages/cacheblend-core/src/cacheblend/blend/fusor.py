@@ -274,18 +274,12 @@ def _reposition(dec: Decoder, kv: KVCache, layer: int, spans: list[tuple[int, in
                 cached: list[tuple[Tensor, Tensor]], cos: Tensor, sin: Tensor,
                 deltas: list[tuple[Tensor | None, Tensor | None] | None] | None = None) -> None:
     """Write the reused K/V of one layer into the fused cache, RoPE applied at their real
-    offsets, each span moved by its chunk shift when ``deltas`` has one.  Results go
-    straight into the cache (no temporaries of a span's size where the sum allows): on a
-    fresh request these writes are also the cache's first touch (:mod:`..generate.kv_pool`)."""
-    for i, ((a, b, _), (ck, cv)) in enumerate(zip(spans, cached, strict=True)):
-        d = deltas[i] if deltas is not None else None
-        # a half the shift leaves alone (``shift_parts``, ``shift_values_from``) is None
-        dk, dv = d if d is not None else (None, None)
-        dec.rope_into(kv.k[layer, :, a:b], ck if dk is None else ck + dk, cos[a:b], sin[a:b])
-        if dv is None:
-            kv.v[layer, :, a:b] = cv
-        else:  # summed in the stored dtype (``kv_dtype``), then cast into the cache
-            torch.add(cv, dv, out=kv.v[layer, :, a:b])
+    offsets, each span moved by its chunk shift when ``deltas`` has one (a half the shift
+    leaves alone, ``shift_parts`` or ``shift_values_from``, is None).  Results go straight
+    into the cache, every span in one native call where the kernels run: on a fresh
+    request these writes are also the cache's first touch (:mod:`..generate.kv_pool`)."""
+    dec.reposition(kv.k[layer], kv.v[layer], [a for a, _, _ in spans], cached,
+                   deltas if deltas is not None else [None] * len(spans), cos, sin)
 
 
 def _shift_sample(config: BlendConfig, ratio: float, direct: bool, lay: _Layout,

@@ -53,6 +53,26 @@ def rope_into(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> None:
     out.add_(rotate_half(x) * sin)  # not in place: ``x`` may be stored narrower than ``sin``
 
 
+Shift = tuple[Tensor | None, Tensor | None] | None  # a span's chunk shift of K and V [KVH, 1, hd]
+
+
+def reposition(out_k: Tensor, out_v: Tensor, starts: list[int], cached: list[tuple[Tensor, Tensor]],
+               shifts: list[Shift], cos: Tensor, sin: Tensor,
+               rope_into_: Callable[[Tensor, Tensor, Tensor, Tensor], None] = rope_into) -> None:
+    """One layer's reused K/V written into the fused cache (``out_k``/``out_v`` [KVH, n, hd]):
+    span i's keys rotated to positions ``starts[i]``.. (``cos``/``sin`` [n, hd]) and its
+    values copied, each half moved by the span's chunk shift where it has one (summed in
+    the stored dtype, then written)."""
+    for a, (ck, cv), shift in zip(starts, cached, shifts, strict=True):
+        b = a + ck.shape[1]
+        dk, dv = shift if shift is not None else (None, None)
+        rope_into_(out_k[:, a:b], ck if dk is None else ck + dk, cos[a:b], sin[a:b])
+        if dv is None:
+            out_v[:, a:b] = cv
+        else:
+            torch.add(cv, dv, out=out_v[:, a:b])
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Llama's RMSNorm, bit for bit as transformers computes it (in float32, then back to
     ``x``'s dtype, then times the weight), through PyTorch's fused op: one op where
@@ -92,6 +112,7 @@ class Kernels:
         self.native = False
         self.rope: Callable[..., Tensor] = apply_rope
         self.rope_into: Callable[[Tensor, Tensor, Tensor, Tensor], None] = rope_into
+        self.reposition: Callable[..., None] = reposition
         self.norm: Callable[..., Tensor] = rms_norm
         self.act: Callable[[Tensor, Tensor], Tensor] = silu_mul
         self.finish: Callable[..., Tensor] = finish
@@ -116,7 +137,7 @@ class Kernels:
         return run
 
     def use_native(self, ops: LayerOps) -> None:
-        """Run RMSNorm, RoPE and the SiLU gate through ``ops`` (float32 or bfloat16, every
+        """Run RMSNorm, RoPE, the re-positioning and the SiLU gate through ``ops`` (float32 or bfloat16, every
         tensor of a call in one dtype; where a call's tensors do not fit them, e.g.
         broadcast tables or mixed dtypes, the plain function runs)."""
         if self.compiled:
@@ -142,10 +163,21 @@ class Kernels:
             else:
                 rope_into(out, x, cos, sin)
 
+        def reposition_(out_k: Tensor, out_v: Tensor, starts: list[int], cached: list[tuple[Tensor, Tensor]],
+                        shifts: list[Shift], cos: Tensor, sin: Tensor) -> None:
+            ks, vs = [k for k, _ in cached], [v for _, v in cached]
+            dks, dvs = ([None if s is None else s[i] for s in shifts] for i in (0, 1))
+            if ok(out_k, out_v, cos, sin, *ks, *vs, *(d for d in (*dks, *dvs) if d is not None)) \
+                    and cos.dim() == 2 and cos.shape == sin.shape:
+                ops.reposition(out_k, out_v, starts, ks, vs, dks, dvs, cos, sin)
+            else:
+                reposition(out_k, out_v, starts, cached, shifts, cos, sin, rope_into_)
+
         def act(gate: Tensor, up: Tensor) -> Tensor:
             return ops.silu_mul(gate, up) if gate.dim() == 2 and gate.shape == up.shape and ok(gate, up) \
                 else silu_mul(gate, up)
 
         self.native, self.norm, self.rope, self.rope_into, self.act = True, norm, rope, rope_into_, act
+        self.reposition = reposition_
         self.finish = partial(finish, norm=norm, act=act)
 

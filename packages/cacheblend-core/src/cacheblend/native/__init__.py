@@ -54,6 +54,8 @@ class LayerOps:
     rope: Callable[[Tensor, Tensor, Tensor], Tensor]  # x [heads, n, hd], cos, sin [n, hd] -> contiguous
     rope_into: Callable[[Tensor, Tensor, Tensor, Tensor], None]  # out, x (both [heads, n, hd]), cos, sin
     silu_mul: Callable[[Tensor, Tensor], Tensor]  # gate, up [n, I] -> silu(gate) * up
+    # out_k, out_v (one layer of the fused cache), starts, Ks, Vs, dKs, dVs (one per span), cos, sin
+    reposition: Callable[..., None]
 
 
 HEAD_DIMS = (16, 32, 64, 128)
@@ -121,7 +123,8 @@ def positional_attention() -> PositionalAttention | None:
 def layer_ops() -> LayerOps | None:
     """The layer pieces (float32, bfloat16); None where the kernels cannot run here."""
     module = _module()
-    return None if module is None else LayerOps(module.rms_norm, module.rope, module.rope_into, module.silu_mul)
+    return None if module is None else LayerOps(module.rms_norm, module.rope, module.rope_into, module.silu_mul,
+                                                   module.reposition)
 
 
 def last_failure() -> str | None:

@@ -8,6 +8,8 @@
 //   sum in PyTorch; here the same products and sum per element (the build has
 //   -ffp-contract=off, so no product is fused into the sum): the same bits as
 //   models/kernels.apply_rope, which the chunk caches' re-positioning also computes.
+// * Re-positioning (reposition): every reused span of a layer in one call, its keys plus the
+//   chunk shift rotated into the fused cache and its values plus theirs copied beside them.
 // * SiLU gate times up: the same expression as PyTorch's SiLU kernel (x / (1 + exp(-x)) with
 //   the same vectorized exp), then the product: the same bits, without the gate's temporary.
 //
@@ -21,6 +23,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 using Vec = at::vec::Vectorized<float>;
 using BF16 = at::BFloat16;
@@ -177,4 +180,98 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   auto out = torch::empty({gate.size(0), gate.size(1)}, gate.options());
   if (gate.scalar_type() == torch::kFloat32) gate_rows<float>(gate, up, out); else gate_rows<BF16>(gate, up, out);
   return out;
+}
+
+// One layer's re-positioning of every reused chunk in one call (the fusor's per-span RoPE
+// and copies, with the chunk shift added on the way): for span s starting at position a,
+//   out_k[:, a + i] = rope(k_s[:, i] + dk_s) at position a + i,   out_v[:, a + i] = v_s[:, i] + dv_s
+// (dk_s, dv_s [KVH, 1, hd]; absent: nothing added).  The sums round to the element type
+// before RoPE, as PyTorch's add does, so the bits are those of the per-span PyTorch ops.
+struct Span {
+  int64_t start, len, ks0, ks1, vs0, vs1, dks, dvs;
+  const void *k, *v, *dk, *dv;
+};
+
+template <typename T>
+static void reposition_typed(torch::Tensor& out_k, torch::Tensor& out_v, const std::vector<Span>& spans,
+                             const torch::Tensor& cos, const torch::Tensor& sin) {
+  using IO = Io<T>;
+  const int64_t H = out_k.size(0), hd = out_k.size(2), half = hd / 2, S = spans.size();
+  const int64_t ok0 = out_k.stride(0), ok1 = out_k.stride(1), ov0 = out_v.stride(0), ov1 = out_v.stride(1);
+  const int64_t ldc = cos.stride(0), lds = sin.stride(0);
+  T* okp = out_k.data_ptr<T>();
+  T* ovp = out_v.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  std::vector<int64_t> first(S + 1, 0);  // rows (head, token) of all spans, flattened
+  for (int64_t s = 0; s < S; ++s) first[s + 1] = first[s] + H * spans[s].len;
+  at::parallel_for(0, first[S], 64, [&](int64_t b, int64_t e) {
+    int64_t s = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
+    for (int64_t r = b; r < e; ++r) {
+      while (r >= first[s + 1]) ++s;
+      const Span& sp_ = spans[s];
+      const int64_t h = (r - first[s]) / sp_.len, i = (r - first[s]) % sp_.len, p = sp_.start + i;
+      const T* x = static_cast<const T*>(sp_.k) + h * sp_.ks0 + i * sp_.ks1;
+      const T* dk = sp_.dk ? static_cast<const T*>(sp_.dk) + h * sp_.dks : nullptr;
+      const T* c = cp + p * ldc;
+      const T* sn = sp + p * lds;
+      T* o = okp + h * ok0 + p * ok1;
+      for (int64_t j = 0; j < half; j += L) {
+        const int64_t m = std::min(L, half - j);
+        Vec lo = IO::load(x + j, m), hi = IO::load(x + half + j, m);
+        if (dk) { lo = IO::round(lo + IO::load(dk + j, m)); hi = IO::round(hi + IO::load(dk + half + j, m)); }
+        IO::store(o + j, IO::round(lo * IO::load(c + j, m)) + IO::round(hi.neg() * IO::load(sn + j, m)), m);
+        IO::store(o + half + j, IO::round(hi * IO::load(c + half + j, m)) + IO::round(lo * IO::load(sn + half + j, m)), m);
+      }
+      const T* y = static_cast<const T*>(sp_.v) + h * sp_.vs0 + i * sp_.vs1;
+      const T* dv = sp_.dv ? static_cast<const T*>(sp_.dv) + h * sp_.dvs : nullptr;
+      T* ov = ovp + h * ov0 + p * ov1;
+      for (int64_t j = 0; j < hd; j += L) {
+        const int64_t m = std::min(L, hd - j);
+        Vec val = IO::load(y + j, m);
+        IO::store(ov + j, dv ? IO::round(val + IO::load(dv + j, m)) : val, m);
+      }
+    }
+  });
+}
+
+// out_k, out_v [KVH, >= n, hd]: one layer of the fused cache; per span its start, K and V
+// [KVH, len, hd] and optional shifts dk, dv [KVH, 1, hd]; cos, sin [n, hd] for positions 0..n-1
+void reposition(torch::Tensor out_k, torch::Tensor out_v, std::vector<int64_t> starts, std::vector<torch::Tensor> ks,
+                std::vector<torch::Tensor> vs, std::vector<c10::optional<torch::Tensor>> dks,
+                std::vector<c10::optional<torch::Tensor>> dvs, torch::Tensor cos, torch::Tensor sin) {
+  const auto dtype = out_k.scalar_type();
+  check_rows(out_k, 3, "out_k", dtype);
+  check_rows(out_v, 3, "out_v", dtype);
+  check_rows(cos, 2, "cos", dtype);
+  check_rows(sin, 2, "sin", dtype);
+  const int64_t H = out_k.size(0), hd = out_k.size(2), S = starts.size();
+  TORCH_CHECK(hd % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(out_v.size(0) == H && out_v.size(2) == hd && out_v.size(1) == out_k.size(1), "out_v must have out_k's shape");
+  TORCH_CHECK(cos.size(1) == hd && sin.sizes() == cos.sizes(), "cos and sin must be [n, ", hd, "]");
+  TORCH_CHECK((int64_t)ks.size() == S && (int64_t)vs.size() == S && (int64_t)dks.size() == S && (int64_t)dvs.size() == S,
+              "one start, K, V, dk and dv per span");
+  std::vector<Span> spans(S);
+  for (int64_t s = 0; s < S; ++s) {
+    check_rows(ks[s], 3, "a span's K", dtype);
+    check_rows(vs[s], 3, "a span's V", dtype);
+    const int64_t len = ks[s].size(1);
+    TORCH_CHECK(ks[s].size(0) == H && ks[s].size(2) == hd && vs[s].sizes() == ks[s].sizes(),
+                "a span's K and V must be [", H, ", len, ", hd, "]");
+    TORCH_CHECK(starts[s] >= 0 && starts[s] + len <= std::min(out_k.size(1), cos.size(0)),
+                "span ", s, " runs past the cache or the RoPE tables");
+    Span& sp = spans[s];
+    sp = {starts[s], len, ks[s].stride(0), ks[s].stride(1), vs[s].stride(0), vs[s].stride(1), 0, 0,
+          ks[s].data_ptr(), vs[s].data_ptr(), nullptr, nullptr};
+    for (int which = 0; which < 2; ++which) {
+      const auto& d = which == 0 ? dks[s] : dvs[s];
+      if (!d.has_value()) continue;
+      check_rows(*d, 3, "a shift", dtype);
+      TORCH_CHECK(d->size(0) == H && d->size(1) == 1 && d->size(2) == hd, "a shift must be [", H, ", 1, ", hd, "]");
+      (which == 0 ? sp.dk : sp.dv) = d->data_ptr();
+      (which == 0 ? sp.dks : sp.dvs) = d->stride(0);
+    }
+  }
+  if (dtype == torch::kFloat32) reposition_typed<float>(out_k, out_v, spans, cos, sin);
+  else reposition_typed<BF16>(out_k, out_v, spans, cos, sin);
 }
