@@ -291,7 +291,8 @@ def _shift_sample(config: BlendConfig, ratio: float, direct: bool, lay: _Layout,
     approx = [None if s.exact else (a, b) for a, b, s in spans]
     sample = evenly_spaced([x for x in approx if x is not None], min(config.shift_share, ratio),
                            lay.ids.numel(), lay.ids.device)
-    return sample, ChunkShift(approx, sample, config.shift_parts, round(config.shift_values_from * num_layers))
+    return sample, ChunkShift(approx, sample, config.shift_parts, round(config.shift_values_from * num_layers),
+                              [s.cached for _, _, s in spans])
 
 
 def first_token_risk(logits: Tensor) -> float:

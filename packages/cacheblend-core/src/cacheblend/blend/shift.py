@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..store.entry import ChunkKV
+
 __all__ = ["ChunkShift", "evenly_spaced", "segment_shrunk_means"]
 
 
@@ -44,11 +46,13 @@ class ChunkShift:
     a loop over spans cost about 3 % of a 6-chunk blend's TTFT in small ops."""
 
     def __init__(self, spans: Sequence[tuple[int, int] | None], sample: Tensor, parts: str = "kv",
-                 values_from: int = 0) -> None:
+                 values_from: int = 0, sources: Sequence[object] | None = None) -> None:
         """``spans``: one entry per reused segment, None for an exact one (never shifted);
         ``sample``: the bool mask of :func:`evenly_spaced`; ``parts``: shift the keys
         (``"k"``), the values (``"v"``) or both (``"kv"``); values only at layers from
-        ``values_from`` on."""
+        ``values_from`` on; ``sources``: the segments' caches, one per span: where every
+        shifted one is in memory (a :class:`ChunkKV`), its sampled rows of every layer are
+        gathered here once, instead of a dozen small gathers per layer (about 0.3 ms a layer)."""
         self.spans, self.parts, self.values_from = list(spans), parts, values_from
         self._shifted: list[int] = []  # the spans with a sample, in order
         self._offsets: list[Tensor] = []  # their sampled offsets within the span
@@ -67,6 +71,11 @@ class ChunkShift:
             self._positions, self._segment = torch.cat(positions), torch.cat(segment)
             self._counts = torch.tensor([o.numel() for o in self._offsets], device=sample.device)
         self._rows: tuple[Tensor, Tensor] | None = None  # (active, rows of the sample in it)
+        self._stale: Tensor | None = None  # [layers, 2 * KVH, sampled rows, hd]: K heads, then V heads
+        held = [sources[i] for i in self._shifted] if sources is not None else []
+        if held and all(isinstance(src, ChunkKV) for src in held):
+            self._stale = torch.cat([torch.cat([src.k.index_select(2, offs), src.v.index_select(2, offs)], 1)
+                                     for src, offs in zip(held, self._offsets, strict=True)], 2)  # type: ignore[union-attr]
 
     def deltas(self, active: Tensor, k: Tensor, v: Tensor, cached: Sequence[tuple[Tensor, Tensor]],
                layer: int) -> list[tuple[Tensor | None, Tensor | None] | None]:
@@ -84,7 +93,8 @@ class ChunkShift:
         heads = k.shape[0]
         # K and V heads stacked, so one pass estimates both
         fresh = torch.cat([k.index_select(1, rows), v.index_select(1, rows)])
-        stale = torch.cat([self._sampled(cached, 0), self._sampled(cached, 1)])
+        stale = self._stale[layer] if self._stale is not None else \
+            torch.cat([self._sampled(cached, 0), self._sampled(cached, 1)])
         shift = segment_shrunk_means(fresh.float() - stale.float(), self._segment, self._counts)
         dk, dv = shift[:heads].to(stale.dtype), shift[heads:].to(stale.dtype)
         for j, i in enumerate(self._shifted):
