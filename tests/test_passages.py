@@ -150,3 +150,17 @@ def test_a_passage_pasted_without_its_surrounding_whitespace_is_still_found(engi
     assert first.stats.chunks == 1 and first.stats.chunks_learned == 0
     again = _run(engine.start_chat(messages, **GEN))  # stored in the background after the first call
     assert again.stats.store_hits >= 2 and again.stats.reused_tokens > first.stats.reused_tokens
+
+
+def test_a_passage_text_is_tokenized_once_while_it_recurs(engine, monkeypatch):
+    """Passages given as strings request after request: the handle of a text seen lately is
+    kept (tokenizing and hashing them again cost about 5 ms of each TTFT), and equals a fresh one."""
+    text = PASSAGES[0] + " (a text no other test passes)"
+    calls = []
+    encode = engine.prompts.chunk_ids
+    monkeypatch.setattr(engine.prompts, "chunk_ids", lambda t: calls.append(t) or encode(t))
+    first, again = engine.chunks.resolve(text), engine.chunks.resolve(text)
+    assert again is first and calls == [text]
+    assert first == engine.chunks.handle(encode(text))
+    with pytest.raises(CacheBlendError, match="non-empty string"):
+        engine.chunks.resolve("  ")
