@@ -72,10 +72,11 @@ class ChunkShift:
             self._counts = torch.tensor([o.numel() for o in self._offsets], device=sample.device)
         self._rows: tuple[Tensor, Tensor] | None = None  # (active, rows of the sample in it)
         self._stale: Tensor | None = None  # [layers, 2 * KVH, sampled rows, hd]: K heads, then V heads
-        held = [sources[i] for i in self._shifted] if sources is not None else []
-        if held and all(isinstance(src, ChunkKV) for src in held):
+        held = [src for src in (sources[i] for i in self._shifted) if isinstance(src, ChunkKV)] \
+            if sources is not None else []
+        if held and len(held) == len(self._shifted):
             self._stale = torch.cat([torch.cat([src.k.index_select(2, offs), src.v.index_select(2, offs)], 1)
-                                     for src, offs in zip(held, self._offsets, strict=True)], 2)  # type: ignore[union-attr]
+                                     for src, offs in zip(held, self._offsets, strict=True)], 2)
 
     def deltas(self, active: Tensor, k: Tensor, v: Tensor, cached: Sequence[tuple[Tensor, Tensor]],
                layer: int) -> list[tuple[Tensor | None, Tensor | None] | None]:
