@@ -195,3 +195,25 @@ def test_segment_shrunk_means_equal_shrunk_mean_per_segment():
     for j, part in enumerate(parts):
         torch.testing.assert_close(got[:, j : j + 1], shrunk_mean(part), rtol=1e-5, atol=1e-6)
     assert bool((got[:, 1] == 0).all())
+
+
+def test_in_memory_caches_give_the_shift_of_the_per_layer_reads(monkeypatch):
+    """Sources in memory have their sampled rows gathered for every layer at once; the
+    shifts equal those of the per-layer reads a disk or Redis source gives (same bits)."""
+    from cacheblend.blend.shift import ChunkShift
+    from cacheblend.store import ChunkKV
+
+    g = torch.Generator().manual_seed(2)
+    spans = [(3, 43), None, (50, 110)]
+    sources = [ChunkKV(torch.randn(4, 2, b - a, 8, generator=g), torch.randn(4, 2, b - a, 8, generator=g), {})
+               if (a, b) != (0, 0) else None for a, b in (s or (0, 0) for s in spans)]
+    sample = evenly_spaced([s for s in spans if s is not None], 0.1, 120, torch.device("cpu"))
+    active = torch.nonzero(sample | (torch.arange(120) >= 110)).squeeze(1)
+    held, read = ChunkShift(spans, sample, sources=sources), ChunkShift(spans, sample)
+    monkeypatch.setattr(held, "_sampled", lambda *_: pytest.fail("the in-memory sources were read per layer"))
+    for layer in range(4):
+        k, v = torch.randn(2, active.numel(), 8, generator=g), torch.randn(2, active.numel(), 8, generator=g)
+        cached = [s.layer(layer) if s is not None else None for s in sources]
+        pairs = zip(held.deltas(active, k, v, cached, layer), read.deltas(active, k, v, cached, layer), strict=True)
+        for a, b in pairs:
+            assert (a is None and b is None) or all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
