@@ -46,7 +46,7 @@ GROUPS = {
                   "cacheblend::positional_attention", "cacheblend::decode_attention"),
     "norm": ("aten::rsqrt", "aten::pow", "aten::mean", "aten::var", "cacheblend::rms_norm"),
     "elementwise": ("aten::mul", "aten::add", "aten::silu", "aten::neg", "aten::sub", "aten::div", "aten::sigmoid",
-                    "cacheblend::rope", "cacheblend::silu_mul"),
+                    "cacheblend::rope", "cacheblend::silu_mul", "cacheblend::reposition"),
     "indexing and copies": ("aten::index", "aten::index_put", "aten::index_select", "aten::gather", "aten::copy_",
                             "aten::cat", "aten::clone", "aten::contiguous", "aten::to", "aten::_to_copy",
                             "aten::slice", "aten::select", "aten::view", "aten::empty", "aten::zeros", "aten::stack",
@@ -96,7 +96,7 @@ def label_native(engine: Engine) -> None:
             setattr(dec, attr, labelled(label, getattr(dec, attr)))
     ops = native.layer_ops()
     if dec.kernels.native and ops is not None:
-        pieces = ("rms_norm", "rope", "rope_into", "silu_mul")
+        pieces = ("rms_norm", "rope", "rope_into", "silu_mul", "reposition")
         dec.kernels.use_native(LayerOps(*(labelled(f, getattr(ops, f)) for f in pieces)))
 
 
