@@ -1,13 +1,7 @@
 """The fused KV buffer kept between requests (``EngineConfig.reuse_kv_buffer``): reused,
-never shared by two requests at once, and never a source of stale K/V; and the freed
-temporaries the process keeps (``heap_keep_mib``)."""
+never shared by two requests at once, and never a source of stale K/V."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +9,6 @@ import torch
 from cacheblend import Engine
 from cacheblend.config import EngineConfig
 from cacheblend.errors import CacheBlendError
-from cacheblend.generate.heap import keep_freed_memory
 from cacheblend.models.kernels import apply_rope, rope_into
 from conftest import PASSAGES, QUERY
 
@@ -95,39 +88,3 @@ def test_an_abandoned_stream_gives_its_buffer_back(default_engine):
 def test_the_setting_is_checked():
     with pytest.raises(CacheBlendError, match="reuse_kv_buffer"):
         EngineConfig(reuse_kv_buffer="yes")  # type: ignore[arg-type]
-
-
-_FAULTS = """
-import resource, sys
-from cacheblend import Engine
-from cacheblend.datasets import load_qa
-engine = Engine.load(None, store="memory", heap_keep_mib=int(sys.argv[1]))
-examples = load_qa("musique", "dev", limit=3, passages=6)  # prompts of 3.6K-3.8K tokens
-faults = []
-for ex in examples * 2:  # prompts of other lengths in turn, as a server sees them
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    engine.generate(ex.query, engine.ingest(ex.passages), max_new_tokens=1, recompute_ratio=0.05)
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(sum(faults[3:]))
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
-def test_kept_heap_memory_spares_the_next_request_its_page_faults(tmp_path):
-    """With the default ``heap_keep_mib`` a repeated blend's temporaries come from memory the
-    process kept; with 0 (malloc's own thresholds) they fault fresh pages in (each run in a
-    process of its own: the setting is process-wide)."""
-    def faults(keep: int) -> int:
-        out = subprocess.run([sys.executable, "-c", _FAULTS, str(keep)], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).parent, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        return int(out.stdout.split()[-1])
-
-    kept, plain = faults(EngineConfig.heap_keep_mib), faults(0)
-    assert kept < 200 < 1000 < plain, (kept, plain)
-    assert keep_freed_memory(0) is False  # 0: malloc's own settings, nothing changed
-
-
-def test_heap_keep_is_checked():
-    with pytest.raises(CacheBlendError, match="heap_keep_mib must be an int >= 0"):
-        EngineConfig(heap_keep_mib=-1)

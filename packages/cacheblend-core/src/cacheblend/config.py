@@ -324,12 +324,11 @@ class EngineConfig:
     product on weights reordered once for oneDNN (``models/onednn.py``; 0.14 GB more memory
     on SmolLM2-135M); None: where a one-row pass, timed at load, is faster through oneDNN
     than through MKL (the winner varies by CPU and dtype);
-    ``compile_decode``: each decode step as one compiled graph (:mod:`~.generate.compiled`: 3–6 %
-    faster per token; 12–20 s to compile once per machine, then about 3 s per process);
+    ``compile_decode``: each decode step as one compiled graph (:mod:`cacheblend.generate.compiled`:
+    3–6 % faster per token; 12–20 s to compile once per machine, then about 3 s per process);
     ``native_attention``: decode steps, and float32 prefill, attend through our C++ kernels
     (:mod:`cacheblend.native`: about 40 s to build once per machine; None: where they build);
-    ``reuse_kv_buffer``: keep the last request's fused KV buffer (:mod:`~.generate.kv_pool`), and
-    ``heap_keep_mib`` MiB of freed temporaries, process-wide (:mod:`~.generate.heap`; 0: malloc's own)."""
+    ``reuse_kv_buffer``: keep the last request's fused KV buffer (:mod:`cacheblend.generate.kv_pool`)."""
 
     device: str = "cpu"
     dtype: str | None = None
@@ -343,7 +342,6 @@ class EngineConfig:
     compile_decode: bool = False
     native_attention: bool | None = None
     reuse_kv_buffer: bool = True
-    heap_keep_mib: int = 256
 
     def __post_init__(self) -> None:
         for name in ("compile", "pack_weights", "compile_decode", "reuse_kv_buffer"):
@@ -357,10 +355,9 @@ class EngineConfig:
             raise CacheBlendError(f"chunk_sink must be one of {CHUNK_SINKS} or None, got {self.chunk_sink!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise CacheBlendError(f"kv_dtype must be one of {KV_DTYPES} or None, got {self.kv_dtype!r}")
-        for name, low in (("learn_min_chars", 1), ("heap_keep_mib", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise CacheBlendError(f"{name} must be an int >= {low}, got {value!r}")
+        if isinstance(self.learn_min_chars, bool) or not isinstance(self.learn_min_chars, int) \
+                or self.learn_min_chars < 1:
+            raise CacheBlendError(f"learn_min_chars must be a positive int, got {self.learn_min_chars!r}")
 
 
 def chunk_sink_for(policy: str | None, model_type: str) -> str:

@@ -30,7 +30,6 @@ from .errors import CacheBlendError
 from .generate.compiled import CompiledStep
 from .generate.decode import KVCache, decode_step
 from .generate.generation import Generation, Request
-from .generate.heap import keep_freed_memory
 from .generate.kv_pool import KVPool
 from .models.decoder import Decoder
 from .models.loader import LoadedModel, load_model
@@ -67,7 +66,6 @@ class Engine(Answering):
             CompiledStep(self.decoder) if self.config.compile_decode else decode_step
         self.device = torch.device(self.config.device)
         self.kv_pool = KVPool(self.config.reuse_kv_buffer)  # one fused KV buffer kept between requests
-        keep_freed_memory(self.config.heap_keep_mib)  # and the temporaries' pages, up to a bound
         pipeline = pipelined(self.config.prefetch)  # layers read beside the fusor, or before it
         self.controller = LoadingController(pipelined=pipeline)
         self.prompts = PromptBuilder(self.tokenizer)
