@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -39,6 +40,23 @@ def test_round_trip_per_layer(tier):
     got = tier.get(KEY)
     assert torch.equal(got.k, kv.k) and got.meta["model"] == "m"
     assert tier.keys() == [KEY]
+
+
+def test_entries_carry_blake3_digests_and_older_sha256_entries_are_still_served(tier):
+    from cacheblend.store.entry import layer_digest
+
+    kv = _kv()
+    tier.put(KEY, kv)
+    client = redis.Redis.from_url(tier.url)
+    meta = json.loads(client.get(tier.entry_name(KEY, "meta")))
+    assert meta["digest"] == "blake3" and len(meta["layer_digests"]) == 3
+    del meta["digest"], meta["layer_digests"]  # as written before the digest was recorded
+    meta["layer_sha256"] = [layer_digest(kv.k[i], kv.v[i], "sha256") for i in range(3)]
+    client.set(tier.entry_name(KEY, "meta"), json.dumps(meta))
+    got = tier.get(KEY)
+    assert got is not None and torch.equal(got.v, kv.v) and tier.corrupt == 0
+    client.setrange(tier.entry_name(KEY, 1), 5, b"\xff\xfe")
+    assert tier.get(KEY) is None and tier.corrupt == 1
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "meta"])

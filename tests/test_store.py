@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -65,6 +67,48 @@ def test_a_layer_read_stays_as_verified_when_the_file_is_overwritten_in_place(tm
         f.seek(header)
         f.write(b"\x7f" * (path.stat().st_size - header))
     assert torch.equal(k, kv.k[2]) and torch.equal(v, kv.v[2])
+
+
+def _rewrite_digests(path, algorithm: str | None) -> None:
+    """Rewrite a disk entry's header as an older version wrote it (``None``: SHA-256 digests
+    under ``layer_sha256``, no ``digest`` field) or as naming ``algorithm``."""
+    from safetensors.torch import save_file
+
+    from cacheblend.store.entry import layer_digest
+
+    with safe_open(path, framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {n: f.get_tensor(n) for n in f.keys()}
+    del meta["layer_digests"], meta["digest"]
+    layers = int(meta["layers"])
+    if algorithm is None:
+        meta["layer_sha256"] = json.dumps([layer_digest(tensors[f"k.{i}"], tensors[f"v.{i}"], "sha256")
+                                           for i in range(layers)])
+    else:
+        meta |= {"digest": algorithm, "layer_digests": json.dumps(["00" * 32] * layers)}
+    save_file(tensors, path, metadata=meta)
+
+
+def test_entries_are_checked_with_blake3_and_older_sha256_entries_still_served(tmp_path):
+    store = DiskStore(tmp_path)
+    kv = _kv()
+    store.put(KEY_A, kv)
+    with safe_open(store.path(KEY_A), framework="pt") as f:
+        assert f.metadata()["digest"] == "blake3" and "layer_sha256" not in f.metadata()
+    _rewrite_digests(store.path(KEY_A), None)  # as written before the digest was recorded
+    got = store.get(KEY_A)
+    assert got is not None and torch.equal(got.k, kv.k) and store.corrupt == 0
+    data = bytearray(store.path(KEY_A).read_bytes())
+    data[-7] ^= 0xFF  # a damaged older entry is still caught by its SHA-256
+    store.path(KEY_A).write_bytes(bytes(data))
+    assert store.get(KEY_A) is None and store.corrupt == 1
+
+
+def test_an_entry_naming_an_unknown_digest_is_dropped_not_served(tmp_path):
+    store = DiskStore(tmp_path)
+    store.put(KEY_A, _kv())
+    _rewrite_digests(store.path(KEY_A), "md5")
+    assert store.get(KEY_A) is None and store.corrupt == 1
+    assert not store.path(KEY_A).exists()
 
 
 def test_entry_under_another_name_is_not_served(tmp_path):

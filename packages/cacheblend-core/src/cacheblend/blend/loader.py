@@ -26,7 +26,7 @@ def pipelined(prefetch: bool | None) -> bool:
     None: only when this process may run on more cores than torch's compute threads use.
 
     Why: the paper pipelines loads that are transfers (disk or network to GPU memory), which
-    take no compute.  Here reading a disk or Redis entry is CPU work (copies and a sha256 per
+    take no compute.  Here reading a disk or Redis entry is CPU work (copies and a digest per
     layer), and on a host whose cores all run torch's OpenMP threads, the loader takes a core
     from one of them and the others wait for it at every barrier.  Measured on 2 cores, 2
     threads, musique prompts of 3.7K tokens from a disk store (``benchmarks/store_tiers.py``,

@@ -3,10 +3,10 @@
 Layout: ``ROOT/<key[:2]>/<key>.safetensors`` holding ``k.<layer>`` and ``v.<layer>``
 tensors (``[kv_heads, tokens, head_dim]``), so one layer can be read without the rest
 (pipelined loading).  The header metadata carries the format version, the key, the
-shape, who made it (model fingerprint, precompute policy, token-ids hash), a sha256 per
-layer and, with a store secret, a signature.  An entry that is truncated, corrupted,
-unsigned or not what its name says is counted, deleted and reported as a miss, so the
-engine recomputes it — never serves it.
+shape, who made it (model fingerprint, precompute policy, token-ids hash), a digest per
+layer (:data:`~.entry.DIGEST`; older entries SHA-256) and, with a store secret, a
+signature.  An entry that is truncated, corrupted, unsigned or not what its name says
+is counted, deleted and reported as a miss, so the engine recomputes it — never serves it.
 
 ``ROOT/index.sqlite3`` (:mod:`.disk_index`) drives LRU eviction within the byte budget
 and heals itself from the entries' headers; :mod:`.disk_layout` finds the files, never
@@ -33,7 +33,7 @@ from ..cache.keys import is_entry_key
 from .disk_index import DiskIndex, IndexUnwritable, Row
 from .disk_layout import FORMAT, NAMESPACES, TMP_PREFIX, VERSION, NotAStore, claim, header_rows, in_flight, scan
 from .disk_layout import reclaim as reclaim_temp
-from .entry import ChunkKV, CorruptEntry, layer_digest, read_entry, verify_entries
+from .entry import DIGEST, DIGESTS_FIELD, ChunkKV, CorruptEntry, digest_of, layer_digest, read_entry, verify_entries
 from .signing import SIGNATURE, Signer
 from .spec import check_namespace
 
@@ -61,13 +61,14 @@ class DiskSource:
             ok = meta.get("format") == FORMAT and meta.get("version") == VERSION and meta.get("key") == key
             self.num_layers = int(meta["layers"])
             self.num_tokens = int(meta["tokens"])
-            self._digests = json.loads(meta["layer_sha256"])
+            self._algorithm, digests_field = digest_of(meta)
+            self._digests = json.loads(meta[digests_field])
             ok = ok and len(self._digests) == self.num_layers
         except Exception as e:  # unreadable header: truncated, overwritten, foreign
             raise CorruptEntry(f"{path}: {e}") from e
         if not ok:
             raise CorruptEntry(f"{path}: header does not describe key {key}")
-        self.meta = {k: v for k, v in meta.items() if k != "layer_sha256"}
+        self.meta = {k: v for k, v in meta.items() if k != digests_field}
         signer = store.signer
         if signer is not None and not signer.valid(key, self.meta, self._digests):
             store.unsigned += 1
@@ -86,7 +87,7 @@ class DiskSource:
             raise CorruptEntry(f"{self.key}: layer {index} unreadable: {e}") from e
         self._shape = self._shape or tuple(k.shape)
         ok = k.dim() == 3 and k.shape == v.shape == self._shape and k.shape[1] == self.num_tokens
-        if not ok or layer_digest(k, v) != self._digests[index]:
+        if not ok or layer_digest(k, v, self._algorithm) != self._digests[index]:
             self._store.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} fails its checksum or shape")
         return k, v
@@ -219,10 +220,10 @@ class DiskStore:
         digests = [layer_digest(*kv.layer(i)) for i in range(kv.num_layers)]
         meta = {str(k): str(v) for k, v in kv.meta.items() if k != SIGNATURE}
         meta |= {"format": FORMAT, "version": VERSION, "key": key, "layers": str(kv.num_layers),
-                 "tokens": str(kv.num_tokens), "dtype": str(kv.k.dtype)}
+                 "tokens": str(kv.num_tokens), "dtype": str(kv.k.dtype), "digest": DIGEST}
         if self.signer is not None:
             meta[SIGNATURE] = self.signer.sign(key, meta, digests)
-        return tensors, meta | {"layer_sha256": json.dumps(digests)}
+        return tensors, meta | {DIGESTS_FIELD: json.dumps(digests)}
 
     def _write(self, key: str, blob: bytes, path: Path) -> bool:
         """Write to a temp file we hold a lock on, then move it into place; False when the

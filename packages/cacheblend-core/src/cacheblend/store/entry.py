@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+import blake3
 import torch
 from torch import Tensor
 
@@ -112,12 +114,33 @@ def layer_bytes(k: Tensor, v: Tensor) -> bytes:
     return _raw(k).tobytes() + _raw(v).tobytes()
 
 
-def layer_digest(k: Tensor, v: Tensor) -> str:
-    """sha256 of :func:`layer_bytes`, hashed from the tensors' memory without copying
-    (it runs on the loader thread beside the fusor, so its CPU time matters)."""
-    h = hashlib.sha256(_raw(k))
+# What new entries are checked with: BLAKE3 is a cryptographic hash (a signed entry's
+# digests must resist forgery) that runs about 2.6x faster than SHA-256 even where the CPU
+# has SHA instructions (169 MB, a 6-passage prompt's float32 K/V: 37 against 98 ms on a
+# 2-core EPYC), and a disk or Redis read hashes every layer it serves.
+DIGEST = "blake3"
+_HASHES: dict[str, Callable[[Any], Any]] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
+# Entries written before the choice was recorded carry ``layer_sha256`` and no ``digest``.
+LEGACY_DIGEST, LEGACY_FIELD, DIGESTS_FIELD = "sha256", "layer_sha256", "layer_digests"
+
+
+def layer_digest(k: Tensor, v: Tensor, algorithm: str = DIGEST) -> str:
+    """The digest of :func:`layer_bytes`, hashed from the tensors' memory without copying
+    (it runs on the request path for every layer read from disk or Redis)."""
+    h = _HASHES[algorithm](_raw(k))
     h.update(_raw(v))
     return h.hexdigest()
+
+
+def digest_of(meta: dict) -> tuple[str, str]:
+    """Which algorithm an entry's layer digests use, and the meta field holding them.
+    Raises :class:`CorruptEntry` for an algorithm this version does not know."""
+    if "digest" not in meta:
+        return LEGACY_DIGEST, LEGACY_FIELD
+    algorithm = meta["digest"]
+    if algorithm not in _HASHES:
+        raise CorruptEntry(f"unknown layer digest {algorithm!r}")
+    return algorithm, DIGESTS_FIELD
 
 
 def stack_layers(layers: list[tuple[Tensor, Tensor]], meta: dict[str, str]) -> ChunkKV:

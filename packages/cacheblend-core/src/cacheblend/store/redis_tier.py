@@ -1,11 +1,11 @@
 """Redis/Valkey tier through redis-py: the store that many engine processes on many
 machines share (the scale-out path).
 
-Each chunk is ``PREFIX:{key}:meta`` (JSON: shape, dtype, who made it, a sha256 per
-layer) plus one value per layer ``PREFIX:{key}:L`` holding that layer's K then V bytes,
-so layers stream one GET at a time.  A write sets every layer and the meta in one
-MULTI/EXEC transaction, so a reader sees the whole entry or none of it; every layer is
-checked against its digest as it is read.  A server that is down or restarted costs a
+Each chunk is ``PREFIX:{key}:meta`` (JSON: shape, dtype, who made it, a digest per
+layer, BLAKE3 or, in older entries, SHA-256) plus one value per layer ``PREFIX:{key}:L``
+holding that layer's K then V bytes, so layers stream one GET at a time.  A write sets
+every layer and the meta in one MULTI/EXEC transaction, so a reader sees the whole entry
+or none of it; every layer is checked against its digest as it is read.  A server that is down or restarted costs a
 request nothing but a quick miss: the tier backs off for a few seconds, then redis-py
 reconnects on the next command.
 """
@@ -21,7 +21,17 @@ from urllib.parse import urlsplit, urlunsplit
 import torch
 
 from ..cache.keys import is_entry_key
-from .entry import ChunkKV, CorruptEntry, layer_bytes, layer_digest, read_entry, verify_entries
+from .entry import (
+    DIGEST,
+    DIGESTS_FIELD,
+    ChunkKV,
+    CorruptEntry,
+    digest_of,
+    layer_bytes,
+    layer_digest,
+    read_entry,
+    verify_entries,
+)
 from .signing import SIGNATURE, Signer
 
 log = logging.getLogger("cacheblend.store")
@@ -40,13 +50,14 @@ class RedisSource:
         self.num_tokens = int(meta["tokens"])
         self._shape = tuple(int(n) for n in meta["shape"])  # per layer: kv_heads, tokens, head_dim
         self._dtype = _DTYPES[meta["dtype"]]
-        self._digests = list(meta["layer_sha256"])
+        self._algorithm, digests_field = digest_of(meta)
+        self._digests = list(meta[digests_field])
         if len(self._digests) != self.num_layers or len(self._shape) != 3 or self._shape[1] != self.num_tokens:
             raise ValueError("meta does not describe its layers")
         if tier.signer is not None and not tier.signer.valid(key, meta, self._digests):
             tier.unsigned += 1
             raise ValueError("no valid signature")
-        self.meta = {k: str(v) for k, v in meta.items() if k not in ("layer_sha256", "shape")}
+        self.meta = {k: str(v) for k, v in meta.items() if k not in (digests_field, "shape")}
 
     def layer(self, index: int):
         blob = self._tier.call(lambda r: r.get(self._tier.entry_name(self.key, index)), refused=_REFUSED)
@@ -61,7 +72,7 @@ class RedisSource:
         except (ValueError, RuntimeError) as e:  # a size that is no whole layer, a wrong type
             self._tier.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} has the wrong size or type: {e}") from e
-        if layer_digest(k, v) != self._digests[index]:
+        if layer_digest(k, v, self._algorithm) != self._digests[index]:
             self._tier.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} fails its checksum")
         return k, v
@@ -164,7 +175,7 @@ class RedisStore:
         digests = [layer_digest(*kv.layer(i)) for i in range(kv.num_layers)]
         meta: dict[str, object] = {str(k): str(v) for k, v in kv.meta.items() if k != SIGNATURE} | {
             "key": key, "layers": kv.num_layers, "tokens": kv.num_tokens, "dtype": str(kv.k.dtype),
-            "shape": list(kv.k.shape[1:]), "layer_sha256": digests,
+            "shape": list(kv.k.shape[1:]), "digest": DIGEST, DIGESTS_FIELD: digests,
         }
         if self.signer is not None:
             meta[SIGNATURE] = self.signer.sign(key, meta, digests)
