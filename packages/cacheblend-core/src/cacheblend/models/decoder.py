@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import native
 from ..errors import CacheBlendError
-from .kernels import Kernels, Shift, apply_rope, finish, reposition, rotate_half
+from .kernels import Kernels, Shift, apply_rope, finish, rotate_half
 from .onednn import OneDnnWeights, faster_one_row, give_back_freed_memory, linear, release
 from .packed import PackedWeights
 
@@ -164,19 +164,13 @@ class Decoder:
 
     def rope_into(self, out: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> None:
         """:meth:`rope` written into ``out`` (the fused cache), without temporaries when eager."""
-        if self.kernels.compiled:
-            out.copy_(self.kernels.rope(x, cos, sin))
-        else:
-            self.kernels.rope_into(out, x, cos, sin)
+        self.kernels.rope_into(out, x, cos, sin)
 
     def reposition(self, kv_k: Tensor, kv_v: Tensor, starts: list[int], cached: list[tuple[Tensor, Tensor]],
                    shifts: list[Shift], cos: Tensor, sin: Tensor) -> None:
         """One layer's reused chunk K/V into the fused cache (:func:`kernels.reposition`):
         one native call for every span where the kernels run."""
-        if self.kernels.compiled:
-            reposition(kv_k, kv_v, starts, cached, shifts, cos, sin, self.rope_into)
-        else:
-            self.kernels.reposition(kv_k, kv_v, starts, cached, shifts, cos, sin)
+        self.kernels.reposition(kv_k, kv_v, starts, cached, shifts, cos, sin)
 
     def attn_input(self, layer: int, h: Tensor) -> Tensor:
         norm = self.layers[layer].input_layernorm

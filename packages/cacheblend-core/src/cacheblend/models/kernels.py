@@ -112,13 +112,21 @@ class Kernels:
         self.native = False
         self.rope: Callable[..., Tensor] = apply_rope
         self.rope_into: Callable[[Tensor, Tensor, Tensor, Tensor], None] = rope_into
-        self.reposition: Callable[..., None] = reposition
         self.norm: Callable[..., Tensor] = rms_norm
         self.act: Callable[[Tensor, Tensor], Tensor] = silu_mul
         self.finish: Callable[..., Tensor] = finish
         if compiled:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home() / "inductor"))
             self.rope, self.norm, self.finish = (self._guarded(fn) for fn in (apply_rope, rms_norm, finish))
+            self.rope_into = self._compiled_rope_into
+        self.reposition: Callable[..., None] = partial(reposition, rope_into_=self.rope_into)
+
+    def _compiled_rope_into(self, out: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """The compiled RoPE copied into ``out``; the plain one in place once compiling failed."""
+        if self.compiled:
+            out.copy_(self.rope(x, cos, sin))
+        else:
+            rope_into(out, x, cos, sin)
 
     def _guarded(self, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         fast = torch.compile(fn, dynamic=True)

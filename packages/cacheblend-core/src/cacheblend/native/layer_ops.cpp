@@ -95,9 +95,23 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
+// One row of RoPE at one position: o = x * c + rotate_half(x) * s, x first moved by the
+// chunk shift dx where there is one (the sum rounded to T, as PyTorch's add rounds it).
+// The re-positioning and the plain RoPE share it, so their bits are the same.
+template <typename T>
+static inline void rope_row(const T* x, const T* dx, const T* c, const T* s, T* o, int64_t half) {
+  using IO = Io<T>;
+  for (int64_t j = 0; j < half; j += L) {  // first half: x * cos + (-x[j + half]) * sin
+    const int64_t m = std::min(L, half - j);
+    Vec lo = IO::load(x + j, m), hi = IO::load(x + half + j, m);
+    if (dx) { lo = IO::round(lo + IO::load(dx + j, m)); hi = IO::round(hi + IO::load(dx + half + j, m)); }
+    IO::store(o + j, IO::round(lo * IO::load(c + j, m)) + IO::round(hi.neg() * IO::load(s + j, m)), m);
+    IO::store(o + half + j, IO::round(hi * IO::load(c + half + j, m)) + IO::round(lo * IO::load(s + half + j, m)), m);
+  }
+}
+
 template <typename T>
 static void rope_typed(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
-  using IO = Io<T>;
   const int64_t H = x.size(0), n = x.size(1), hd = x.size(2), half = hd / 2;
   const T* xp = x.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
@@ -109,15 +123,7 @@ static void rope_typed(const torch::Tensor& x, const torch::Tensor& cos, const t
     for (int64_t r = b; r < e; ++r) {
       const int64_t h = r / n, i = r % n;
       const T* xr = xp + h * s0 + i * s1;
-      const T* c = cp + i * ldc;
-      const T* s = sp + i * lds;
-      T* o = op + h * o0 + i * o1;
-      for (int64_t j = 0; j < half; j += L) {  // first half: x * cos + (-x[j + half]) * sin
-        const int64_t m = std::min(L, half - j);
-        Vec lo = IO::load(xr + j, m), hi = IO::load(xr + half + j, m);
-        IO::store(o + j, IO::round(lo * IO::load(c + j, m)) + IO::round(hi.neg() * IO::load(s + j, m)), m);
-        IO::store(o + half + j, IO::round(hi * IO::load(c + half + j, m)) + IO::round(lo * IO::load(s + half + j, m)), m);
-      }
+      rope_row<T>(xr, nullptr, cp + i * ldc, sp + i * lds, op + h * o0 + i * o1, half);
     }
   });
 }
@@ -213,16 +219,7 @@ static void reposition_typed(torch::Tensor& out_k, torch::Tensor& out_v, const s
       const int64_t h = (r - first[s]) / sp_.len, i = (r - first[s]) % sp_.len, p = sp_.start + i;
       const T* x = static_cast<const T*>(sp_.k) + h * sp_.ks0 + i * sp_.ks1;
       const T* dk = sp_.dk ? static_cast<const T*>(sp_.dk) + h * sp_.dks : nullptr;
-      const T* c = cp + p * ldc;
-      const T* sn = sp + p * lds;
-      T* o = okp + h * ok0 + p * ok1;
-      for (int64_t j = 0; j < half; j += L) {
-        const int64_t m = std::min(L, half - j);
-        Vec lo = IO::load(x + j, m), hi = IO::load(x + half + j, m);
-        if (dk) { lo = IO::round(lo + IO::load(dk + j, m)); hi = IO::round(hi + IO::load(dk + half + j, m)); }
-        IO::store(o + j, IO::round(lo * IO::load(c + j, m)) + IO::round(hi.neg() * IO::load(sn + j, m)), m);
-        IO::store(o + half + j, IO::round(hi * IO::load(c + half + j, m)) + IO::round(lo * IO::load(sn + half + j, m)), m);
-      }
+      rope_row<T>(x, dk, cp + p * ldc, sp + p * lds, okp + h * ok0 + p * ok1, half);
       const T* y = static_cast<const T*>(sp_.v) + h * sp_.vs0 + i * sp_.vs1;
       const T* dv = sp_.dv ? static_cast<const T*>(sp_.dv) + h * sp_.dvs : nullptr;
       T* ov = ovp + h * ov0 + p * ov1;
