@@ -127,12 +127,12 @@ def test_the_decoder_uses_the_pieces_where_the_kernels_are_on(tmp_path, default_
 def test_unpacked_weights_run_the_pieces_too(tmp_path, default_model_dir):
     """The vLLM worker's engine keeps transformers' weights as they are (pack_weights=False,
     shared file pages); its norms and gate still run through the pieces, and its tokens are
-    the packed engine's."""
+    the packed engine's (its products through oneDNN on those weights, in place)."""
     from conftest import PASSAGES, QUERY
 
     folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
     unpacked = Engine.load(folder, store="memory", pack_weights=False)
-    assert unpacked.decoder.kernels.native and unpacked.decoder.products == "transformers"
+    assert unpacked.decoder.kernels.native and unpacked.decoder.products == "oneDNN in place"
     calls = []
     norm = unpacked.decoder.kernels.norm
     unpacked.decoder.kernels.norm = lambda *a: calls.append(1) or norm(*a)  # type: ignore[method-assign]

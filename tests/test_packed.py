@@ -53,7 +53,7 @@ def test_packed_decoder_matches_the_module_decoder(pair):
     """Layer by layer and through the head, on a prompt and on one row (a decode step)."""
     packed_model, plain_model, _ = pair
     packed = Decoder(packed_model.model, pack=True, onednn=False)
-    plain = Decoder(plain_model.model, pack=False)
+    plain = Decoder(plain_model.model, pack=False, onednn=False)
     assert packed.packed is not None and plain.packed is None
     ids = _ids(packed_model)[0]
     with torch.inference_mode():
@@ -69,6 +69,31 @@ def test_packed_decoder_matches_the_module_decoder(pair):
                 h1, h2 = packed.finish(layer, h1, q1), plain.finish(layer, h2, q2)  # q as a stand-in for attention
                 torch.testing.assert_close(h1, h2, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(packed.logits(h1), plain.logits(h2), atol=1e-4, rtol=1e-4)
+
+
+def test_in_place_products_match_the_modules_and_copy_nothing(pair):
+    """Unpacked weights (the vLLM worker's, views of the mapped file): the products run
+    through oneDNN on transformers' own weights.  Layer by layer, on a prompt and on one row,
+    and through the head they give the modules' results; no weight is copied or moved; the
+    HF model still runs; ``onednn=False`` keeps the modules' own products."""
+    _, plain_model, _ = pair
+    model = plain_model.model
+    ptrs, bytes_before = [p.data_ptr() for p in model.parameters()], _storage_bytes(model)
+    in_place, modules = Decoder(model, pack=False), Decoder(model, pack=False, onednn=False)
+    assert (in_place.products, modules.products) == ("oneDNN in place", "transformers")
+    assert [p.data_ptr() for p in model.parameters()] == ptrs and _storage_bytes(model) == bytes_before
+    ids = _ids(plain_model)[0]
+    with torch.inference_mode():
+        model(ids[None])
+        for rows in (ids, ids[-1:]):
+            h1, h2 = in_place.embed(rows), modules.embed(rows)
+            for layer in range(in_place.shape.num_layers):
+                (q1, k1, v1), (q2, k2, v2) = in_place.qkv(layer, h1), modules.qkv(layer, h2)
+                for a, b in ((q1, q2), (k1, k2), (v1, v2)):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+                h1, h2 = in_place.finish(layer, h1, q1), modules.finish(layer, h2, q2)
+                torch.testing.assert_close(h1, h2, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(in_place.logits(h1), modules.logits(h2), atol=1e-4, rtol=1e-4)
 
 
 def test_row_tiles_change_no_result(pair):

@@ -23,7 +23,7 @@ from torch import Tensor
 from .. import native
 from ..errors import CacheBlendError
 from .kernels import Kernels, Shift, apply_rope, finish, rotate_half
-from .onednn import OneDnnWeights, faster_one_row, give_back_freed_memory, linear, release
+from .onednn import OneDnnWeights, faster_one_row, give_back_freed_memory, in_place_products, linear, release
 from .packed import PackedWeights
 
 log = logging.getLogger("cacheblend.decoder")
@@ -68,10 +68,12 @@ class Decoder:
         product on weights reordered for oneDNN (:mod:`.onednn`), which then replace the
         packed ones: ``hf_model``'s own forward no longer runs; None: only where oneDNN
         multiplies one row faster than MKL on this CPU (:func:`.onednn.faster_one_row`).
-        Otherwise transformers' modules run as they are.  ``native_attention``: decode steps,
-        and float32 prefill, attend through our compiled kernels (:mod:`cacheblend.native`),
-        and the layers' RMSNorm, RoPE and SiLU gate run through its layer pieces; None:
-        where they build and fit the model; True: required (an error where they cannot)."""
+        Otherwise transformers' modules run as they are, their products through oneDNN on
+        their own weights unless ``onednn`` is False (:func:`.onednn.in_place_products`).
+        ``native_attention``: decode steps, and float32 prefill, attend through our compiled
+        kernels (:mod:`cacheblend.native`), and the layers' RMSNorm, RoPE and SiLU gate run
+        through its layer pieces; None: where they build and fit the model; True: required
+        (an error where they cannot)."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -116,6 +118,8 @@ class Decoder:
                 self.packed = None
                 give_back_freed_memory()
         self._modules = self.packed is None and self.dnn is None  # transformers' projections run as they are
+        # ... their weights as they are; the products through oneDNN where it runs on them (no copy)
+        self._in_place = self._modules and onednn is not False and in_place_products(hf_model)
         self._plain = plain  # then the norms and the SiLU gate still run through self.kernels
         inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
         row_bytes = 2 * inter * self.shape.dtype.itemsize  # the gate and up products of one row
@@ -137,8 +141,10 @@ class Decoder:
     @property
     def products(self) -> str:
         """What the projections run on: "oneDNN" (reordered weights), "MKL" (packed weights,
-        ``x @ W``) or "transformers" (its modules)."""
-        return "oneDNN" if self.dnn is not None else "MKL" if self.packed is not None else "transformers"
+        ``x @ W``), "oneDNN in place" (transformers' own weights) or "transformers" (its modules)."""
+        if self._modules:
+            return "oneDNN in place" if self._in_place else "transformers"
+        return "oneDNN" if self.dnn is not None else "MKL"
 
     @property
     def attention(self) -> str:
@@ -181,14 +187,14 @@ class Decoder:
     def queries(self, layer: int, x: Tensor) -> Tensor:
         """Queries [H, n, hd] (before RoPE) of normalized hidden states ``x`` [n, d]."""
         attn = self.layers[layer].self_attn
-        q = attn.q_proj(x) if self._modules else self._project(layer, x, 0, self._q_width)
+        q = self._linear(attn.q_proj, x) if self._modules else self._project(layer, x, 0, self._q_width)
         return self._q_heads(attn, q)
 
     def keys_values(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (before RoPE) and values, each [KVH, n, hd]."""
         attn = self.layers[layer].self_attn
         if self._modules:
-            return self._kv_heads(attn, attn.k_proj(x), attn.v_proj(x))
+            return self._kv_heads(attn, self._linear(attn.k_proj, x), self._linear(attn.v_proj, x))
         k, v = self._project(layer, x, self._q_width, None).chunk(2, dim=-1)
         return self._kv_heads(attn, k, v)
 
@@ -267,6 +273,11 @@ class Decoder:
             out[i : i + step] = self._finish_rows(layer, h[i : i + step], attn[i : i + step])
         return out
 
+    def _linear(self, module: Any, x: Tensor) -> Tensor:
+        """One of transformers' projections (``nn.Linear``) of ``x``: through oneDNN on the
+        module's own weight where :func:`.onednn.in_place_products` said it can, else the module."""
+        return linear(x, module.weight, module.bias) if self._in_place else module(x)
+
     def _finish_rows(self, layer: int, h: Tensor, attn: Tensor) -> Tensor:
         """:meth:`finish` of ``h`` [n, d] with the attention output ``attn`` [n, H·hd]."""
         blk = self.layers[layer]
@@ -278,20 +289,21 @@ class Decoder:
             p, norm = self.packed.layers[layer], blk.post_attention_layernorm
             return self.kernels.finish(h, attn, p.o, p.o_bias, norm.weight, norm.variance_epsilon,
                                        p.gate_up, p.down)
-        h = h + blk.self_attn.o_proj(attn)
+        h = h + self._linear(blk.self_attn.o_proj, attn)
         if not self._plain:
             return h + blk.mlp(blk.post_attention_layernorm(h))
         # transformers' Llama MLP (the same products and bits), with our norm and gate
         mlp, norm = blk.mlp, blk.post_attention_layernorm
         x = self.kernels.norm(h, norm.weight, norm.variance_epsilon)
-        return h + mlp.down_proj(self.kernels.act(mlp.gate_proj(x), mlp.up_proj(x)))
+        return h + self._linear(mlp.down_proj, self.kernels.act(self._linear(mlp.gate_proj, x),
+                                                                 self._linear(mlp.up_proj, x)))
 
     def logits(self, h: Tensor) -> Tensor:
         if self.dnn is not None and self.dnn.head is not None:
             return linear(self._final(h), self.dnn.head).float()
         if self.packed is not None and self.packed.head is not None:
             return (self._final(h) @ self.packed.head).float()
-        return self.lm_head(self.final_norm(h)).float()
+        return self._linear(self.lm_head, self.final_norm(h)).float()
 
     def _final(self, h: Tensor) -> Tensor:
         """The final RMSNorm through the kernel (packed layers have the plain norm shape)."""
