@@ -323,7 +323,8 @@ class EngineConfig:
     processes); ``onednn_weights``: with packed weights and no ``compile``, run every
     product on weights reordered once for oneDNN (``models/onednn.py``; 0.14 GB more memory
     on SmolLM2-135M); None: where a one-row pass, timed at load, is faster through oneDNN
-    than through MKL (the winner varies by CPU and dtype);
+    than through MKL (the winner varies by CPU and dtype); unpacked weights go through
+    oneDNN as they are, no copy, unless it is False;
     ``compile_decode``: each decode step as one compiled graph (:mod:`cacheblend.generate.compiled`:
     3–6 % faster per token; 12–20 s to compile once per machine, then about 3 s per process);
     ``native_attention``: decode steps, and float32 prefill, attend through our C++ kernels
