@@ -214,6 +214,7 @@ def test_lmcache_blend_bug_cases(setup, outputs, blend_llm):
     (tokens, _), = _generate(blend_llm, [(ids, 1, 0.15)])
     load = blend_llm.stats()[-1]
     assert load["store_hits"] == N_PASSAGES and load["store_misses"] == 0
+    assert 0 < load["compute_s"] <= load["blend_s"] and 0 <= load["load_exposed_s"] <= load["blend_s"]
     assert tokens[0] == _core_first_token(setup, reordered, ex)
 
     new = "A passage no one cached: the Quux festival is held every spring in the town of Corge."
