@@ -323,9 +323,8 @@ class EngineConfig:
     processes); ``onednn_weights``: with packed weights and no ``compile``, run every
     product on weights reordered once for oneDNN (``models/onednn.py``; 0.14 GB more memory
     on SmolLM2-135M); None: where a one-row pass, timed at load, is faster through oneDNN
-    than through MKL (the winner varies by CPU and dtype); unpacked weights go through
-    oneDNN as they are, no copy, unless it is False;
-    ``compile_decode``: each decode step as one compiled graph (:mod:`cacheblend.generate.compiled`:
+    than through MKL (the winner varies by CPU and dtype; unpacked weights: oneDNN on them as
+    they are, unless False); ``compile_decode``: one compiled graph per decode step (:mod:`.generate.compiled`:
     3–6 % faster per token; 12–20 s to compile once per machine, then about 3 s per process);
     ``native_attention``: decode steps, and float32 prefill, attend through our C++ kernels
     (:mod:`cacheblend.native`: about 40 s to build once per machine; None: where they build);

@@ -310,9 +310,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
                            "computed": report.computed_tokens, "store_hits": counter.hits,
                            "store_misses": counter.misses, "store_rejected": counter.rejected,
                            "store_unreachable": tier_total(eng.store, "unreachable") - unreachable,
-                           "fidelity": self._step_receipts[load.req_id],
-                           # where blend_s goes: the fused prefill's compute, the store reads it
-                           # waited for, and (the rest of blend_s) lookups and chunks computed anew
+                           "fidelity": self._step_receipts[load.req_id],  # then of blend_s: compute, store waits
                            "compute_s": round(report.compute_s, 3), "load_exposed_s": round(report.load_exposed_s, 3)}
         return kv
 

@@ -5,9 +5,9 @@ Each chunk is ``PREFIX:{key}:meta`` (JSON: shape, dtype, who made it, a digest p
 layer, BLAKE3 or, in older entries, SHA-256) plus one value per layer ``PREFIX:{key}:L``
 holding that layer's K then V bytes, so layers stream one GET at a time.  A write sets
 every layer and the meta in one MULTI/EXEC transaction, so a reader sees the whole entry
-or none of it; every layer is checked against its digest as it is read.  A server that is down or restarted costs a
-request nothing but a quick miss: the tier backs off for a few seconds, then redis-py
-reconnects on the next command.
+or none of it; every layer is checked against its digest as it is read.  A server that
+is down or restarted costs a request nothing but a quick miss: the tier backs off for a
+few seconds, then redis-py reconnects on the next command.
 """
 
 from __future__ import annotations
