@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/latency_profile.py --limit 3 --out docs/profile.json
 
-On 6-passage musique dev prompts (the bench's main setting), with the chunk caches in
+On 6-passage musique dev prompts (the bench's main setting; ``--dataset`` for the others), with the chunk caches in
 memory, each path runs once to warm up, then under ``torch.profiler``:
 
 - **full prefill** and **blend at 15 %** (``--ratios`` for others) through ``Engine.generate`` with one new token
@@ -32,9 +32,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from cacheblend import Engine, native
+from cacheblend.bench.tasks import load_task
 from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
 from cacheblend.config import BlendConfig
-from cacheblend.datasets import QA_PREAMBLE, load_qa
+from cacheblend.datasets import QA_PREAMBLE
 from cacheblend.generate.decode import decode_step
 from cacheblend.native import LayerOps
 
@@ -104,20 +105,20 @@ def blend_path(ratio: float) -> str:
     return f"blend {ratio * 100:g} %"
 
 
-def run(engine: Engine, ex, steps: int, ratios: tuple[float, ...] = (0.15,)) -> dict:
+def run(engine: Engine, ex, steps: int, ratios: tuple[float, ...] = (0.15,), preamble: str = QA_PREAMBLE) -> dict:
     engine.ingest(ex.passages)
     out = {}
     paths = [("full prefill", {"method": "full"})] + [(blend_path(r), {"recompute_ratio": r}) for r in ratios]
     for name, opts in paths:
         def gen(o=opts):
-            return engine.generate(ex.query, ex.passages, preamble=QA_PREAMBLE, max_new_tokens=1, **o)
+            return engine.generate(ex.query, ex.passages, preamble=preamble, max_new_tokens=1, **o)
 
         gen()  # warm
         result: list = []
         out[name] = profiled(lambda g=gen, keep=result: keep.append(g()))
         out[name]["phases_s"] = {k: round(v, 4) for k, v in result[-1].stats.seconds.items()}
         out[name]["ttft_s"] = result[-1].ttft_s
-    prompt = engine.prompts.build(ex.query, [engine.prompts.chunk_ids(p) for p in ex.passages], None, QA_PREAMBLE)
+    prompt = engine.prompts.build(ex.query, [engine.prompts.chunk_ids(p) for p in ex.passages], None, preamble)
     ids, shape = prompt.all_ids, engine.decoder.shape
     kv = KVCache(shape, len(ids) + steps + 2, engine.device)
     with torch.inference_mode():
@@ -159,7 +160,8 @@ def print_tables(summary: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--limit", type=int, default=3, help="musique dev prompts")
+    ap.add_argument("--limit", type=int, default=3, help="dev prompts")
+    ap.add_argument("--dataset", default="musique", help="the bench's data set (musique, hotpotqa, samsum, ...)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps to average")
     ap.add_argument("--data", default=None, help="data folder (default: $CACHEBLEND_DATA)")
     ap.add_argument("--model", default=None)
@@ -170,9 +172,9 @@ def main() -> None:
     args = ap.parse_args()
     engine = Engine.load(args.model, store="memory", compile=args.compile, dtype=args.dtype)
     label_native(engine)
-    examples = load_qa("musique", "dev", limit=args.limit, passages=6, data=args.data)
+    task, examples = load_task(args.dataset, "dev", args.limit, 6, args.data)
     ratios = tuple(float(r) for r in args.ratios.split(","))
-    runs = [run(engine, ex, args.steps, ratios) for ex in examples]
+    runs = [run(engine, ex, args.steps, ratios, task.preamble) for ex in examples]
     summary = summarise(runs)
     print_tables(summary)
     if args.out:
