@@ -92,7 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("studies", type=Path, nargs="+", help="JSON written by cacheblend bench --fidelity-only --json")
     ap.add_argument("--json", type=Path, default=None, help="write the pooled report here")
-    ap.add_argument("--plots", type=Path, default=None, help="folder for fidelity_frontier.png")
+    ap.add_argument("--plots", default="", help="folder for fidelity_frontier.png ('': none)")
     ap.add_argument("--earlier", type=Path, action="append", default=[],
                     help="a study run before on the same prompts; its variants join this report")
     ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
@@ -120,8 +120,9 @@ def main() -> None:
                                          "seconds": seconds}, indent=2))
         print(f"records: {args.json}")
     if args.plots:
-        args.plots.mkdir(parents=True, exist_ok=True)
-        print(f"plot: {fidelity_frontier(pooled, args.plots / 'fidelity_frontier.png')}")
+        plots = Path(args.plots)
+        plots.mkdir(parents=True, exist_ok=True)
+        print(f"plot: {fidelity_frontier(pooled, plots / 'fidelity_frontier.png')}")
 
 
 if __name__ == "__main__":

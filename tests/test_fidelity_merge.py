@@ -71,3 +71,13 @@ def test_a_variant_name_with_an_equals_sign_is_renamed(tmp_path):
         "full", "blend@0.15:shift_share=0", "hkvd"}
     bad = _merge(str(new), "--earlier", str(old), "--rename", "nothing=x")
     assert bad.returncode != 0 and "no earlier variant" in bad.stderr
+
+
+def test_an_empty_plots_folder_writes_no_plot(tmp_path):
+    """``--plots ''`` means no plot, as for ``cacheblend bench`` (an empty path used to
+    become the working folder, and the merge left fidelity_frontier.png there)."""
+    study = _write(tmp_path / "s.json", [_sample(0, "full", 10.0), _sample(0, "blend@0.15", 2.0)])
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fidelity_merge.py"), str(study), "--plots", ""],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert not (tmp_path / "fidelity_frontier.png").exists() and "plot:" not in run.stdout
