@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/latency_profile.py --limit 3 --out docs/profile.json
 
-On 6-passage musique dev prompts (the bench's main setting; ``--dataset`` for the others), with the chunk caches in
-memory, each path runs once to warm up, then under ``torch.profiler``:
+On 6-passage musique dev prompts (the bench's main setting; ``--dataset`` for the
+others), with the chunk caches in memory, each path runs once to warm up, then under
+``torch.profiler``:
 
 - **full prefill** and **blend at 15 %** (``--ratios`` for others) through ``Engine.generate`` with one new token
   (what TTFT is), with the engine's own phase timings (tokenize, lookup, load, prefill);

@@ -310,7 +310,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
                            "computed": report.computed_tokens, "store_hits": counter.hits,
                            "store_misses": counter.misses, "store_rejected": counter.rejected,
                            "store_unreachable": tier_total(eng.store, "unreachable") - unreachable,
-                           "fidelity": self._step_receipts[load.req_id],  # then of blend_s: compute, store waits
+                           "fidelity": self._step_receipts[load.req_id],  # blend_s = compute + load_exposed + lookups
                            "compute_s": round(report.compute_s, 3), "load_exposed_s": round(report.load_exposed_s, 3)}
         return kv
 
