@@ -48,7 +48,8 @@ def llm(model: str, connector: dict | None, dtype: str = "float32"):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kw = {"kv_transfer_config": KVTransferConfig(**connector)} if connector is not None else {}
+    # load_format="cacheblend": the connector recomputes on vLLM's own weights (cacheblend.integrations.vllm_model)
+    kw = {"kv_transfer_config": KVTransferConfig(**connector), "load_format": "cacheblend"} if connector else {}
     return LLM(model=model, dtype=dtype, enforce_eager=True, enable_prefix_caching=False, max_model_len=8192,
                max_num_batched_tokens=8192, max_num_seqs=1, seed=0, **kw)
 

@@ -47,8 +47,10 @@ def ttft(model: str, timed: list[int], warm: list[int], kv_transfer_config=None)
     """Seconds to the first token of ``timed`` on a fresh LLM, and that token."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    # load_format="cacheblend": the connector's worker recomputes on the model vLLM loads (no second copy)
     llm = LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=8192,
-              max_num_batched_tokens=8192, max_num_seqs=1, kv_transfer_config=kv_transfer_config)
+              max_num_batched_tokens=8192, max_num_seqs=1, kv_transfer_config=kv_transfer_config,
+              load_format="cacheblend" if kv_transfer_config is not None else "auto")
     params = SamplingParams(max_tokens=1, temperature=0.0)
     try:
         llm.generate([TokensPrompt(prompt_token_ids=warm)], params, use_tqdm=False)

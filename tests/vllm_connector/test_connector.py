@@ -60,6 +60,7 @@ def _llm(model: str, extra: dict | None):
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="CacheBlendConnector", kv_connector_module_path="cacheblend.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
+        kw["load_format"] = "cacheblend"  # the worker recomputes on vLLM's own weights
     return LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=8192,
                max_num_batched_tokens=8192, max_num_seqs=1, seed=0, **kw)
 
@@ -138,6 +139,13 @@ def test_ratio_one_matches_plain_vllm(outputs):
     tokens, cached = outputs["exact"]
     assert cached == outputs["prompt0_tokens"] - 1  # every token but the last came from the connector
     assert tokens == outputs["plain"][0][0]
+
+
+def test_worker_recomputes_on_vllms_own_layers(outputs, blend_llm):
+    """Started with load_format="cacheblend", the worker's fused prefill runs its products
+    through the layers vLLM loaded, not through a second copy of the weights."""
+    loads = [s for s in blend_llm.stats() if s.get("op") == "load"]
+    assert loads and all(s["products"] == "vLLM's own layers" for s in loads)
 
 
 def test_blend_first_token_agreement(outputs):

@@ -10,9 +10,10 @@ Loaded by ``--kv-transfer-config`` (``cacheblend serve`` writes it; user guide: 
   spans, else registered passages tokenized as the core tokenizes a chunk); a prompt of
   at least ``min_tokens`` holding one is reported as ``len(prompt) - 1`` externally
   computed tokens, so vLLM computes only the last token.
-* Worker side: a core :class:`~cacheblend.engine.Engine` on the same folder and dtype runs
-  the fused prefill through its chunk-cache service (store lookups, verification,
-  retries), and the fused K/V are written into the request's paged blocks
+* Worker side: a core :class:`~cacheblend.engine.Engine` on the same folder and dtype, its
+  products on vLLM's own layers when vLLM loads with ``load_format="cacheblend"``
+  (:mod:`.vllm_model`), runs the fused prefill through its chunk-cache service (store
+  lookups, verification, retries); the fused K/V are written into the request's paged blocks
   (:mod:`.paged`).  If that fails, the blocks are reported as load errors and vLLM
   recomputes them (``kv_load_failure_policy="recompute"``) or fails the request; it never
   decodes from zeroed blocks.
@@ -64,6 +65,7 @@ from .paged import LayoutCheck, PagedKV, layer_order, paged_views
 from .readback import verify
 from .registry import REDIS_PASSAGES_KEY, ChunkMatcher, read_passages, register_passages
 from .vllm_meta import BlendLoad, BlendReceipts, CacheBlendMeta, ChunkSave, LayoutReport, request_params
+from .vllm_model import worker_engine
 
 __all__ = ["REDIS_PASSAGES_KEY", "CacheBlendConnector", "ChunkMatcher", "paged_views", "read_passages",
            "register_passages"]
@@ -264,12 +266,10 @@ class CacheBlendConnector(KVConnectorBase_V1):
 
     # ---- worker side ---------------------------------------------------------------
     def engine(self) -> Engine:
-        """The core engine on vLLM's weights folder and dtype, once per worker; unpacked, so shared file pages."""
+        """The core engine, once per worker (:func:`.vllm_model.worker_engine`)."""
         if self._engine is None:
-            t = time.perf_counter()
-            self._engine = Engine.load(self.model_dir, store=self.config.store, dtype=self.dtype, pack_weights=False,
-                                       chunk_sink=self.chunk_sink, kv_dtype=self.config.kv_dtype)
-            log.info("CacheBlend engine loaded in %.1f s (store %s)", time.perf_counter() - t, self.config.store)
+            c = self.config
+            self._engine = worker_engine(self.model_dir, c.store, self.dtype, self.chunk_sink, c.kv_dtype)
         return self._engine
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -310,6 +310,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
                            "computed": report.computed_tokens, "store_hits": counter.hits,
                            "store_misses": counter.misses, "store_rejected": counter.rejected,
                            "store_unreachable": tier_total(eng.store, "unreachable") - unreachable,
+                           "products": eng.decoder.products,
                            "fidelity": self._step_receipts[load.req_id],  # blend_s = compute + load_exposed + lookups
                            "compute_s": round(report.compute_s, 3), "load_exposed_s": round(report.load_exposed_s, 3)}
         return kv
@@ -348,8 +349,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
 
     def _release(self, ids: list[int]) -> None:
         cache = self.engine().chunks
-        removed = cache.release(cache.handle(ids))
-        self._record({"op": "release", "tokens": len(ids), "removed": removed})
+        self._record({"op": "release", "tokens": len(ids), "removed": cache.release(cache.handle(ids))})
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -27,6 +27,9 @@ from ..config import ConnectorConfig
 CONNECTOR_MODULE = "cacheblend.integrations.vllm"
 # The ASGI middleware that answers bad kv_transfer_params with HTTP 400 (vllm_http.py).
 GUARD_MIDDLEWARE = "cacheblend.integrations.vllm_http.KVParamsGuard"
+# vLLM's default loader, registered by cacheblend-core's vLLM plugin: the connector's
+# worker then recomputes on the model vLLM loaded, not on a mapped copy (vllm_model.py)
+LOAD_FORMAT = "cacheblend"
 
 
 def all_cores_bind() -> str:
@@ -92,7 +95,7 @@ class VLLMServer:
             # Blended blocks must not enter vLLM's prefix cache as if they were exact; bad
             # hints get HTTP 400 from the guard instead of reaching the connector.
             cmd += ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(self.connector),
-                    "--middleware", GUARD_MIDDLEWARE]
+                    "--middleware", GUARD_MIDDLEWARE, "--load-format", LOAD_FORMAT]
         return cmd + list(self.args)
 
     def start(self, timeout: float = 600.0) -> VLLMServer:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .. import native
 from ..errors import CacheBlendError
+from .external import ExternalProducts
 from .kernels import Kernels, Shift, apply_rope, finish, rotate_half
 from .onednn import OneDnnWeights, faster_one_row, give_back_freed_memory, in_place_products, linear, release
 from .packed import PackedWeights
@@ -121,6 +122,8 @@ class Decoder:
         # ... their weights as they are; the products through oneDNN where it runs on them (no copy)
         self._in_place = self._modules and onednn is not False and in_place_products(hf_model)
         self._plain = plain  # then the norms and the SiLU gate still run through self.kernels
+        self.external: ExternalProducts | None = None  # another engine's weights (adopt)
+        self._pending_q: tuple[int, Tensor, Tensor] | None = None  # (layer, x, queries) of its last q/k/v
         inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
         row_bytes = 2 * inter * self.shape.dtype.itemsize  # the gate and up products of one row
         self.row_tile: int = max(_MIN_ROW_TILE, _TILE_BYTES // row_bytes)
@@ -142,6 +145,8 @@ class Decoder:
     def products(self) -> str:
         """What the projections run on: "oneDNN" (reordered weights), "MKL" (packed weights,
         ``x @ W``), "oneDNN in place" (transformers' own weights) or "transformers" (its modules)."""
+        if self.external is not None:
+            return self.external.name
         if self._modules:
             return "oneDNN in place" if self._in_place else "transformers"
         return "oneDNN" if self.dnn is not None else "MKL"
@@ -151,6 +156,18 @@ class Decoder:
         """What attention runs on: "native" (:mod:`cacheblend.native`: decode steps, and the
         prefill in float32) or "PyTorch"."""
         return "native" if self.decode_attention is not None else "PyTorch"
+
+    def adopt(self, products: ExternalProducts) -> None:
+        """Run the embedding, every projection and the head through ``products`` from now on
+        (:mod:`.external`).  Why: the vLLM connector's worker then recomputes on the weights
+        vLLM has loaded, not on a second copy; transformers' weights stay untouched pages
+        of the mapped file.  The decoder computes what lies between the products, so the
+        layers must have the plain Llama shape (RMSNorms, a SiLU-gated MLP without biases)."""
+        if not self._plain:
+            raise CacheBlendError("external products need the plain Llama layer shape "
+                                  "(RMSNorms, a SiLU-gated MLP without biases)")
+        self.external = products
+        self._pending_q = None
 
     # -- positions -------------------------------------------------------------------
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -162,7 +179,7 @@ class Decoder:
 
     # -- one layer, split where the fusor needs to step in ---------------------------
     def embed(self, token_ids: Tensor) -> Tensor:
-        return self.embed_tokens(token_ids)
+        return self.embed_tokens(token_ids) if self.external is None else self.external.embed(token_ids)
 
     def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """:func:`apply_rope`, compiled when the decoder is."""
@@ -187,12 +204,19 @@ class Decoder:
     def queries(self, layer: int, x: Tensor) -> Tensor:
         """Queries [H, n, hd] (before RoPE) of normalized hidden states ``x`` [n, d]."""
         attn = self.layers[layer].self_attn
+        if self.external is not None:
+            return self._q_heads(attn, self._external_q(layer, x))
         q = self._linear(attn.q_proj, x) if self._modules else self._project(layer, x, 0, self._q_width)
         return self._q_heads(attn, q)
 
     def keys_values(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (before RoPE) and values, each [KVH, n, hd]."""
         attn = self.layers[layer].self_attn
+        if self.external is not None:  # one q/k/v product: its queries wait for queries() of the same rows
+            out = self.external.qkv(layer, x)
+            self._pending_q = (layer, x, out[:, : self._q_width])
+            k, v = out[:, self._q_width :].chunk(2, dim=-1)
+            return self._kv_heads(attn, k, v)
         if self._modules:
             return self._kv_heads(attn, self._linear(attn.k_proj, x), self._linear(attn.v_proj, x))
         k, v = self._project(layer, x, self._q_width, None).chunk(2, dim=-1)
@@ -202,8 +226,9 @@ class Decoder:
         """Query, key (pre-RoPE) and value of hidden states ``h`` [n, d] at ``layer`` (one
         product when the weights are packed: a decode step's three become one)."""
         x = self.attn_input(layer, h)
-        if self._modules:
-            return (self.queries(layer, x), *self.keys_values(layer, x))
+        if self._modules:  # keys first: external products then give the queries with them
+            k, v = self.keys_values(layer, x)
+            return self.queries(layer, x), k, v
         attn = self.layers[layer].self_attn
         kv_width = self.shape.num_kv_heads * self.shape.head_dim
         q, k, v = self._project(layer, x, 0, None).split([self._q_width, kv_width, kv_width], dim=-1)
@@ -223,6 +248,17 @@ class Decoder:
         qk = self.rope(out[:, : heads * s.head_dim].view(n, heads, s.head_dim).transpose(0, 1), cos, sin)
         v = out[:, heads * s.head_dim :].view(n, s.num_kv_heads, s.head_dim).transpose(0, 1)
         return qk[: s.num_heads], qk[s.num_heads :], v
+
+    def _external_q(self, layer: int, x: Tensor) -> Tensor:
+        """Queries of ``x`` through the external q/k/v product: those :meth:`keys_values`
+        computed with the keys when ``x`` is the same tensor (the fusor asks for keys and
+        queries of the same rows at every layer but a check layer), else a product of their own."""
+        assert self.external is not None
+        pending = self._pending_q
+        if pending is not None and pending[0] == layer and pending[1] is x:
+            self._pending_q = None
+            return pending[2]
+        return self.external.qkv(layer, x)[:, : self._q_width]
 
     # -- the projections' outputs as heads -------------------------------------------
     def _q_heads(self, attn: Any, q: Tensor) -> Tensor:
@@ -281,6 +317,11 @@ class Decoder:
     def _finish_rows(self, layer: int, h: Tensor, attn: Tensor) -> Tensor:
         """:meth:`finish` of ``h`` [n, d] with the attention output ``attn`` [n, H·hd]."""
         blk = self.layers[layer]
+        if self.external is not None:
+            o, gate_up, down = self.external.layer(layer)
+            norm = blk.post_attention_layernorm
+            return finish(h, attn, o, None, norm.weight, norm.variance_epsilon, gate_up, down, self.external.mm,
+                          self.kernels.norm, self.kernels.act)
         if self.dnn is not None:
             d, norm = self.dnn.layers[layer], blk.post_attention_layernorm
             return finish(h, attn, d.o, d.o_bias, norm.weight, norm.variance_epsilon, d.gate_up, d.down, linear,
@@ -299,6 +340,8 @@ class Decoder:
                                                                  self._linear(mlp.up_proj, x)))
 
     def logits(self, h: Tensor) -> Tensor:
+        if self.external is not None:
+            return self.external.head(self._final(h)).float()
         if self.dnn is not None and self.dnn.head is not None:
             return linear(self._final(h), self.dnn.head).float()
         if self.packed is not None and self.packed.head is not None:
