@@ -12,9 +12,9 @@ process after the model is loaded; :func:`adopt_vllm_weights` finds the model an
 the core decoder :class:`VllmProducts` (:meth:`.Decoder.adopt`): the embedding, every
 projection and the head then run through vLLM's own layers on vLLM's packed weights.
 transformers' copy, which the core engine maps from the same safetensors file, is never
-read, so its pages are never resident.  Without ``load_format="cacheblend"`` (or with
-``VLLM_PLUGINS`` excluding ``cacheblend``) the worker multiplies by that mapped copy, as
-it did before, and says so in its log.
+read, so its pages are never resident.  Without ``load_format="cacheblend"`` the worker
+multiplies by that mapped copy, as it did before, and says so in its log (a
+``VLLM_PLUGINS`` list without ``cacheblend`` leaves the format unknown: vLLM refuses it).
 """
 
 from __future__ import annotations
