@@ -90,3 +90,21 @@ def test_one_qkv_product_per_layer(engines):
         products.qkv_calls = 0
         adopted.generate(QUERY, PASSAGES, max_new_tokens=1, **opts)
         assert products.qkv_calls == layers + extra, opts
+
+
+def test_a_packed_decoder_adopts_them_too(tmp_path, default_model_dir):
+    """On a decoder whose own weights are packed and reordered, every path (the prefill's
+    products and the decode step's fused q/k/v + RoPE) goes through the adopted products."""
+    from cacheblend.models.loader import load_model
+
+    folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    own = Engine.load(folder, store="memory")
+    adopted = Engine.load(folder, store="memory")
+    products = FusedLayers(load_model(folder).model.eval())
+    adopted.decoder.adopt(products)
+    a = own.generate(QUERY, PASSAGES, max_new_tokens=8, recompute_ratio=0.15)
+    b = adopted.generate(QUERY, PASSAGES, max_new_tokens=8, recompute_ratio=0.15)
+    assert b.token_ids == a.token_ids
+    products.qkv_calls = 0
+    adopted.generate(QUERY, PASSAGES, max_new_tokens=4, method="full")
+    assert products.qkv_calls == adopted.decoder.shape.num_layers * (1 + 3) + 1  # prefill, then 3 decode steps

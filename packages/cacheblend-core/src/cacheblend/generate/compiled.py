@@ -109,7 +109,7 @@ class CompiledStep:
         """Append one token at position ``kv.length`` and return next-token logits."""
         if dec is not self.dec:
             raise ValueError("this compiled step belongs to another decoder")
-        if not self.enabled:
+        if not self.enabled or dec.external is not None:  # adopted products (Decoder.adopt) run eagerly
             return decode_step(dec, kv, token_id)
         pos = kv.length
         if pos >= kv.capacity:

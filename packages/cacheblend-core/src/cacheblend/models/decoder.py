@@ -226,7 +226,7 @@ class Decoder:
         """Query, key (pre-RoPE) and value of hidden states ``h`` [n, d] at ``layer`` (one
         product when the weights are packed: a decode step's three become one)."""
         x = self.attn_input(layer, h)
-        if self._modules:  # keys first: external products then give the queries with them
+        if self._modules or self.external is not None:  # keys first: external products give queries with them
             k, v = self.keys_values(layer, x)
             return self.queries(layer, x), k, v
         attn = self.layers[layer].self_attn
@@ -239,7 +239,7 @@ class Decoder:
         over both where the projection is packed and the family has no per-head norm: a
         decode step's queries and keys are adjacent columns of one product, and one
         rotation of the [H + KVH] heads is six ops fewer per layer.  Same bits either way."""
-        if self._modules or self.has_qk_norm:
+        if self._modules or self.has_qk_norm or self.external is not None:
             q, k, v = self.qkv(layer, h)
             return self.rope(q, cos, sin), self.rope(k, cos, sin), v
         s, n = self.shape, h.shape[0]
