@@ -148,6 +148,18 @@ def test_worker_recomputes_on_vllms_own_layers(outputs, blend_llm):
     assert loads and all(s["products"] == "vLLM's own layers" for s in loads)
 
 
+def test_ratio_zero_is_full_reuse(setup, outputs, blend_llm):
+    """At ratio 0 the worker recomputes nothing: every chunk token is reused as stored, and
+    vLLM's first token is the core engine's full-reuse first token on the same prompt."""
+    engine, prompts = setup["engine"], setup["prompts"]
+    got = _generate(blend_llm, [(p, 1, 0.0) for p in prompts])
+    loads = [s for s in blend_llm.stats() if s.get("op") == "load"][-len(prompts):]
+    assert [s["recomputed"] for s in loads] == [0] * len(prompts)
+    for (tokens, _), ex, handles in zip(got, setup["examples"], setup["handles"], strict=True):
+        reuse = engine.generate(ex.query, handles, max_new_tokens=1, recompute_ratio=0.0, preamble=QA_PREAMBLE)
+        assert reuse.stats.recomputed_tokens == 0 and tokens[:1] == reuse.token_ids[:1]
+
+
 def test_blend_first_token_agreement(outputs):
     """At 15 % recompute the first token mostly agrees with vLLM's full prefill."""
     firsts_plain = [toks[0] for toks, _ in outputs["plain"]]
