@@ -11,7 +11,9 @@ request options sent in ``kv_transfer_params``), returning its fidelity receipt 
 response marker.  The core runs the same variants against its full prefill.  Agreement is
 reported with a 95 % bootstrap interval; the connector's guard escalations from receipts.
 Each one-token request is also timed (its TTFT): the median of plain vLLM, of the
-connector and of the core engine per variant, and the connector's speed-up over plain vLLM.
+connector and of the core engine per variant, and the connector's speed-up over plain
+vLLM.  Each vLLM instance first serves ``--warmup`` untimed requests (the connector, per
+variant): the core engine is warm when timed, its blend right after its full prefill.
 The worker's own seconds per request (its fused prefill, its paged-cache writes) come from
 the connector's ``stats`` file.
 """
@@ -84,6 +86,9 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=6)
     ap.add_argument("--data", default=None, help="the data directory (default: $CACHEBLEND_DATA)")
     ap.add_argument("--out", type=Path, default=Path("bench-out/vllm_fidelity.json"))
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed requests each vLLM instance serves first (per variant for the connector): "
+                         "the core engine is warm when timed, its blend following its own full prefill")
     ap.add_argument("--variants", default=";".join(VARIANTS),
                     help="';'-separated blend variants, written as for `cacheblend bench --fidelity-only`")
     args = ap.parse_args()
@@ -115,16 +120,20 @@ def main() -> None:
     gc.collect()
 
     plain_llm = llm(model, None, args.dtype)
+    first_tokens(plain_llm, prompts[: args.warmup], None)
     plain = first_tokens(plain_llm, prompts, None)
     shutdown(plain_llm)
     report: dict = {"command": "benchmarks/vllm_fidelity.py " + " ".join(os.sys.argv[1:]), "prompts": len(prompts),
-                    "split": args.split, "variants": {},
+                    "warmup": args.warmup, "split": args.split, "variants": {},
                     "ttft_median_s": {"vllm_full": statistics.median(p[2] for p in plain),
-                                      "core_full": statistics.median(core_ttft["full"])}}
+                                      "core_full": statistics.median(core_ttft["full"])},
+                    "ttft_s": {"vllm_full": [round(p[2], 4) for p in plain],
+                               "core_full": [round(t, 4) for t in core_ttft["full"]]}}
     stats = root / "stats.jsonl"
     blend_llm = llm(model, kv_transfer_config(f"disk:{root / 'kv'}", passages=str(root / "passages.jsonl"),
                                               stats=str(stats)), args.dtype)
     for name, opts in variants.items():
+        first_tokens(blend_llm, prompts[: args.warmup], opts)
         done = len(stats.read_text().splitlines()) if stats.exists() else 0
         got = first_tokens(blend_llm, prompts, opts)
         loads = [x for x in map(json.loads, stats.read_text().splitlines()[done:]) if x.get("op") == "load"]
@@ -141,6 +150,7 @@ def main() -> None:
             "worker_blend_median_s": statistics.median(x["blend_s"] for x in loads) if loads else None,
             "worker_write_median_s": statistics.median(x["write_s"] for x in loads) if loads else None,
             "core_ttft_median_s": statistics.median(core_ttft[name]),
+            "vllm_ttft_s": [round(g[2], 4) for g in got], "core_ttft_s": [round(t, 4) for t in core_ttft[name]],
         }
     shutdown(blend_llm)
     args.out.parent.mkdir(parents=True, exist_ok=True)
