@@ -68,6 +68,27 @@ def test_layout_is_derived_from_vllms_op_and_round_trips(dtype):
         assert torch.equal(k_t[4, :, :, 10], k[0, :, 0].to(dtype)) and torch.equal(v_pg[1, :, 3], v[0, :, 25].to(dtype))
 
 
+def test_strided_writes_where_the_op_follows_strides_else_copies():
+    """vLLM's CPU op takes [n, heads, head_dim] views of the fused K/V (no copy per layer);
+    an op that reads its input as if contiguous gets copies, found out by the self-check."""
+    kv = _paged(torch.float32)
+    assert self_check(kv, *_probe(8)).ok and kv.strided
+
+    def as_if_contiguous(module, key, value, cache, slots):  # reads the storage in [n, heads, dim] order
+        flat = [torch.as_strided(t, t.shape, torch.empty(t.shape).stride(), t.storage_offset()) for t in (key, value)]
+        return update(module, *flat, cache, slots)
+
+    kv = _paged(torch.float32)
+    update = kv.layers[0].impl.do_kv_cache_update
+    kv.layers[0].impl.do_kv_cache_update = as_if_contiguous
+    check = self_check(kv, *_probe(8))
+    assert check.ok and not kv.strided and "contiguous copies" in check.reason, check
+    k, v = _probe(70, seed=1)
+    kv.write([4, 1, 3, 2], 10, k, v)
+    rk, rv = kv.read([4, 1, 3, 2], 10, 80)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+
+
 def test_a_source_layout_that_disagrees_with_vllms_op_is_refused(monkeypatch):
     def wrong(cache, block_size):  # K not transposed: the classic mistake
         k_pg, v_pg = cache.view(cache.shape[0], cache.shape[1], 2, block_size, -1).unbind(2)

@@ -132,6 +132,10 @@ class PagedKV:
             raise ValueError(f"{len(caches)} KV caches for {len(layers)} attention layers")
         self.caches, self.layers, self.block_size = list(caches), list(layers), block_size
         self.layout: BlockLayout | None = None  # set by self_check; None: reading is off
+        # Hand vLLM's op [n, heads, head_dim] views of the caller's K/V rather than copies:
+        # vLLM's CPU op follows strides, and the copies cost most of a write (fresh pages per
+        # layer).  self_check falls back to copies for an op whose round trip needs them.
+        self.strided = True
 
     def writer(self, layer: int) -> WriteFn:
         """vLLM's own cache-update op for ``layer``."""
@@ -145,8 +149,10 @@ class PagedKV:
         blk, off = _slots(block_ids, self.block_size, start, start + k.shape[2])
         slots = blk * self.block_size + off
         for layer, cache in enumerate(self.caches):
-            self.writer(layer)(k[layer].transpose(0, 1).to(cache.dtype).contiguous(),
-                               v[layer].transpose(0, 1).to(cache.dtype).contiguous(), slots)
+            k_l, v_l = k[layer].transpose(0, 1).to(cache.dtype), v[layer].transpose(0, 1).to(cache.dtype)
+            if not self.strided:
+                k_l, v_l = k_l.contiguous(), v_l.contiguous()
+            self.writer(layer)(k_l, v_l, slots)
 
     def read(self, block_ids: Sequence[int], start: int, end: int) -> tuple[Tensor, Tensor]:
         """K (as stored: post-RoPE) and V ``[layers, heads, tokens, head_dim]`` of positions
@@ -214,11 +220,14 @@ def self_check(paged: PagedKV, probe_k: Tensor, probe_v: Tensor) -> LayoutCheck:
             return LayoutCheck(False, name, f"vLLM's op does not store the {first.isa!r} layout this "
                                             "connector was written for")
     paged.layout = layout
-    with paged.scratch() as block:
-        paged.write([block], 0, probe_k, probe_v)
-        k, v = paged.read([block], 0, n)
-    dtype = paged.caches[0].dtype
-    if not (torch.equal(k, probe_k.to(dtype)) and torch.equal(v, probe_v.to(dtype))):
-        paged.layout = None
-        return LayoutCheck(False, name, "a reference chunk written through vLLM's op did not read back equal")
-    return LayoutCheck(True, name, "layout derived from vLLM's op, reference chunk read back equal")
+    for strided in (True, False):  # views where the op follows strides, else contiguous copies
+        paged.strided = strided
+        with paged.scratch() as block:
+            paged.write([block], 0, probe_k, probe_v)
+            k, v = paged.read([block], 0, n)
+        dtype = paged.caches[0].dtype
+        if torch.equal(k, probe_k.to(dtype)) and torch.equal(v, probe_v.to(dtype)):
+            how = "" if strided else " (K/V handed to the op as contiguous copies: it does not follow strides)"
+            return LayoutCheck(True, name, "layout derived from vLLM's op, reference chunk read back equal" + how)
+    paged.layout = None
+    return LayoutCheck(False, name, "a reference chunk written through vLLM's op did not read back equal")
