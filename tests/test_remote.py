@@ -100,8 +100,10 @@ def test_remote_engine_blends_and_ratio_one_is_vllms_full_prefill(server, remote
     load = stats(server)[-1]
     assert load["op"] == "load" and load["recompute_ratio"] == 0.15
     assert load["store_hits"] == len(example.passages) and load["store_misses"] == 0
-    assert blend.usage["approximate_tokens"] == load["reused"] > 0  # the client's plan is what the worker did
-    assert blend.usage["cached_tokens"] == 0 and load["fidelity"]["approximate_tokens"] == load["reused"]
+    # the client's plan is what the worker did: chunks reused approximately, the prompt's prefix exactly
+    assert blend.usage["approximate_tokens"] == load["fidelity"]["approximate_tokens"] > 0
+    assert blend.usage["cached_tokens"] == load["fidelity"]["exact_cached_tokens"] > 0 and load["prefix_cached"]
+    assert load["reused"] == blend.usage["approximate_tokens"] + blend.usage["cached_tokens"]
     assert not blend.stats.exact and exact.stats.exact and load["fidelity"]["risk"] > 0
     assert blend.usage["prompt_tokens"] == full.usage["prompt_tokens"] == load["prompt_tokens"]
     assert blend_text.split()[:1] == full_text.split()[:1]  # this example's first word survives blending

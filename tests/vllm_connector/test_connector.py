@@ -171,9 +171,22 @@ def test_blend_first_token_agreement(outputs):
 
 
 def test_chunks_from_another_process_are_reused(outputs):
-    """The worker found every chunk this process ingested: it stored nothing new."""
+    """The worker found every chunk this process ingested: the one entry it stored is the
+    prompts' shared prefix (system prompt and template: exact K/V, position 0)."""
     before, after = outputs["files"]
-    assert before and after == before
+    assert before and set(before) <= set(after) and len(set(after) - set(before)) == 1
+
+
+def test_the_prompt_prefix_comes_from_the_prefix_cache(setup, outputs, blend_llm):
+    """The tokens before the first passage are exact K/V from the prefix cache, as in the core
+    engine, not computed on every request: the worker computes and recomputes what the core
+    does on the same prompt."""
+    loads = [s for s in blend_llm.stats() if s.get("op") == "load" and s["recompute_ratio"] == 0.15][:N_PROMPTS]
+    assert len(loads) == N_PROMPTS
+    for s, ex, handles in zip(loads, setup["examples"], setup["handles"], strict=True):
+        core = setup["engine"].generate(ex.query, handles, max_new_tokens=1, preamble=QA_PREAMBLE)
+        assert core.stats.exact_cached_tokens > 0
+        assert (s["computed"], s["recomputed"]) == (core.stats.computed_tokens, core.stats.recomputed_tokens)
 
 
 # ---------------------------------------------------------------- the store's failure cases, through vLLM
@@ -233,7 +246,7 @@ def test_lmcache_blend_bug_cases(setup, outputs, blend_llm):
     ids = setup["engine"].prompts.build(ex.query, [list(h.token_ids) for h in reordered], None, QA_PREAMBLE).all_ids
     (tokens, _), = _generate(blend_llm, [(ids, 1, 0.15)])
     load = blend_llm.stats()[-1]
-    assert load["store_hits"] == N_PASSAGES and load["store_misses"] == 0
+    assert load["store_hits"] == N_PASSAGES and load["store_misses"] == 0 and load["prefix_cached"]
     assert 0 < load["compute_s"] <= load["blend_s"] and 0 <= load["load_exposed_s"] <= load["blend_s"]
     assert tokens[0] == _core_first_token(setup, reordered, ex)
 

@@ -258,9 +258,10 @@ class RemoteEngine(Answering):
         spans = chunk_spans(prompt) if opts.method != "full" else []
         chunk_tokens = sum(b - a for a, b in spans)
         recomputed = round(blend.recompute_ratio * chunk_tokens) if not blend.gradual else 0
+        head = spans[0][0] if spans else 0  # the prompt's prefix: the worker reads it from the prefix cache
         stats = BlendStats(method=opts.method, recompute_ratio=blend.recompute_ratio, prompt_tokens=len(ids),
-                           reused_tokens=chunk_tokens - recomputed, recomputed_tokens=recomputed,
-                           chunks=len(spans), chunks_learned=learned)
+                           reused_tokens=chunk_tokens - recomputed + head, recomputed_tokens=recomputed,
+                           chunks=len(spans), chunks_learned=learned, exact_cached_tokens=head)
         # The streamed answer carries no marker: the receipt is what was asked for (the
         # server's guard may escalate; its own receipt is in non-streamed responses).
         stats.exact, stats.ratio_used = not spans or blend.recompute_ratio >= 1.0, blend.recompute_ratio

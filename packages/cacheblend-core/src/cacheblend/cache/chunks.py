@@ -305,15 +305,23 @@ class ChunkCache:
             return Segment(handle.token_ids)
         return Segment(handle.token_ids, source)
 
-    def span_segments(self, ids: Sequence[int], spans: Sequence[tuple[int, int]],
-                      counter: LookupCounter) -> list[Segment]:
+    def span_segments(self, ids: Sequence[int], spans: Sequence[tuple[int, int]], counter: LookupCounter,
+                      prefix_counter: LookupCounter | None = None) -> list[Segment]:
         """Segments of a prompt given as token ids with ``[start, end)`` chunk spans (what a
-        vLLM request carries): spans reuse their chunks' caches, the rest is computed."""
+        vLLM request carries): spans reuse their chunks' caches; the tokens before the first
+        span (system prompt, template) are the prompt's prefix, exact K/V from the prefix
+        cache as in :meth:`segments` (computed at position 0 and stored on a miss), its
+        lookup counted in ``prefix_counter`` when given; the rest is computed."""
         ids = list(ids)
         segs, pos = [], 0
         for a, b in spans:
             if a > pos:
-                segs.append(Segment(ids[pos:a]))
+                if pos == 0:
+                    pc = prefix_counter if prefix_counter is not None else counter
+                    pc.bypass_store = counter.bypass_store
+                    segs.append(Segment(ids[:a], self.prefix_source(ids[:a], pc), exact=True))
+                else:
+                    segs.append(Segment(ids[pos:a]))
             segs.append(Segment(ids[a:b], self.chunk_source(self.handle(ids[a:b]), counter)))
             pos = b
         segs.append(Segment(ids[pos:]))

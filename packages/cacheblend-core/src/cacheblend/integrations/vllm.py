@@ -293,13 +293,12 @@ class CacheBlendConnector(KVConnectorBase_V1):
         """Fused K (post-RoPE) and V ``[layers, heads, tokens, head_dim]`` of the whole prompt,
         through the chunk-cache service (store lookups, retries on damaged entries), in a
         buffer of the engine's pool (its pages already mapped): give it back when written."""
-        eng = self.engine()
-        cache = eng.chunks
+        eng, (counter, prefix) = self.engine(), (LookupCounter(), LookupCounter())  # chunks; the prompt's prefix
+        cache, ids = eng.chunks, load.token_ids
         load.blend.validate_for(eng.decoder.shape.num_layers)
-        kv = eng.kv_pool.take(eng.decoder.shape, len(load.token_ids), eng.device)
-        counter = LookupCounter()
+        kv = eng.kv_pool.take(eng.decoder.shape, len(ids), eng.device)
         unreachable = tier_total(eng.store, "unreachable")
-        report = cache.fuse(lambda c: (cache.span_segments(load.token_ids, load.spans, c), load.blend), kv, counter)
+        report = cache.fuse(lambda c: (cache.span_segments(ids, load.spans, c, prefix), load.blend), kv, counter)
         stats = BlendStats(method="blend" if load.blend.recompute_ratio > 0 else "reuse",
                            recompute_ratio=load.blend.recompute_ratio)
         stats.take_prefill(report)
@@ -310,6 +309,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
                            "computed": report.computed_tokens, "store_hits": counter.hits,
                            "store_misses": counter.misses, "store_rejected": counter.rejected,
                            "store_unreachable": tier_total(eng.store, "unreachable") - unreachable,
+                           "prefix_cached": prefix.hits > 0 and not prefix.misses,
                            "products": eng.decoder.products,
                            "fidelity": self._step_receipts[load.req_id],  # blend_s = compute + load_exposed + lookups
                            "compute_s": round(report.compute_s, 3), "load_exposed_s": round(report.load_exposed_s, 3)}
