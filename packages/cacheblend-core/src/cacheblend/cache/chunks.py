@@ -241,6 +241,10 @@ class ChunkCache:
         """Exact K/V of a prompt prefix computed at position 0 (prefix caching)."""
         return self._lookup(chunk_key(self.fingerprint, ids, PREFIX_POLICY), ids, self.precompute_prefix, counter)
 
+    def prefix_segment(self, ids: Sequence[int], counter: LookupCounter) -> Segment:
+        """The prompt's prefix as a fusor segment: exact K/V from the prefix cache."""
+        return Segment(ids, self.prefix_source(ids, counter), exact=True)
+
     def _lookup(self, key: str, ids: Sequence[int], compute: Callable[[Sequence[int]], ChunkKV],
                 counter: LookupCounter) -> LayerSource:
         """The stored cache for ``key``, else ``compute(ids)`` stored under it."""
@@ -287,8 +291,8 @@ class ChunkCache:
             first = next((i for i, (_, chunk) in enumerate(body) if chunk), None)
             head = prompt.prefix + (body[first][0] if first is not None else [])
             rest = [t for ids, _ in body[(first + 1 if first is not None else 0):] for t in ids]
-            return [Segment(head, self.prefix_source(head, counter), exact=True), Segment(rest)]
-        segs = [Segment(prompt.prefix, self.prefix_source(prompt.prefix, counter), exact=True)] if prompt.prefix else []
+            return [self.prefix_segment(head, counter), Segment(rest)]
+        segs = [self.prefix_segment(prompt.prefix, counter)] if prompt.prefix else []
         chunk_handles = iter(handles)
         for ids, chunk in body:
             segs.append(self._chunk_segment(next(chunk_handles), counter, defer) if chunk else Segment(ids))
@@ -313,15 +317,15 @@ class ChunkCache:
         cache as in :meth:`segments` (computed at position 0 and stored on a miss), its
         lookup counted in ``prefix_counter`` when given; the rest is computed."""
         ids = list(ids)
-        segs, pos = [], 0
+        pos = spans[0][0] if spans else 0
+        segs = []
+        if pos:
+            pc = prefix_counter if prefix_counter is not None else counter
+            pc.bypass_store = counter.bypass_store
+            segs.append(self.prefix_segment(ids[:pos], pc))
         for a, b in spans:
             if a > pos:
-                if pos == 0:
-                    pc = prefix_counter if prefix_counter is not None else counter
-                    pc.bypass_store = counter.bypass_store
-                    segs.append(Segment(ids[:a], self.prefix_source(ids[:a], pc), exact=True))
-                else:
-                    segs.append(Segment(ids[pos:a]))
+                segs.append(Segment(ids[pos:a]))
             segs.append(Segment(ids[a:b], self.chunk_source(self.handle(ids[a:b]), counter)))
             pos = b
         segs.append(Segment(ids[pos:]))
