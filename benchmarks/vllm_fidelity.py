@@ -45,15 +45,16 @@ from cacheblend.integrations.vllm import register_passages  # noqa: E402
 VARIANTS = ("blend@0.15", "blend@guard")  # the default and the guard
 
 
-def llm(model: str, connector: dict | None, dtype: str = "float32"):
-    """An eager LLM; with ``connector`` (``kv_transfer_config(...)``), the CacheBlend connector."""
+def llm(model: str, connector: dict | None, dtype: str = "float32", compile_model: bool = False):
+    """An LLM, eager unless ``compile_model`` (vLLM's default, torch.compile: slower to start);
+    with ``connector`` (``kv_transfer_config(...)``), the CacheBlend connector."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     # load_format="cacheblend": the connector recomputes on vLLM's own weights (cacheblend.integrations.vllm_model)
     kw = {"kv_transfer_config": KVTransferConfig(**connector), "load_format": "cacheblend"} if connector else {}
-    return LLM(model=model, dtype=dtype, enforce_eager=True, enable_prefix_caching=False, max_model_len=8192,
-               max_num_batched_tokens=8192, max_num_seqs=1, seed=0, **kw)
+    return LLM(model=model, dtype=dtype, enforce_eager=not compile_model, enable_prefix_caching=False,
+               max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=1, seed=0, **kw)
 
 
 def first_tokens(engine_llm, prompts: list[list[int]], params: dict | None) -> list[tuple[int, dict | None, float]]:
@@ -89,6 +90,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed requests each vLLM instance serves first (per variant for the connector): "
                          "the core engine is warm when timed, its blend following its own full prefill")
+    ap.add_argument("--compile", action="store_true",
+                    help="run both vLLM instances compiled (vLLM's default) instead of eager")
     ap.add_argument("--variants", default=";".join(VARIANTS),
                     help="';'-separated blend variants, written as for `cacheblend bench --fidelity-only`")
     args = ap.parse_args()
@@ -119,7 +122,7 @@ def main() -> None:
     del engine
     gc.collect()
 
-    plain_llm = llm(model, None, args.dtype)
+    plain_llm = llm(model, None, args.dtype, args.compile)
     first_tokens(plain_llm, prompts[: args.warmup], None)
     plain = first_tokens(plain_llm, prompts, None)
     shutdown(plain_llm)
@@ -131,7 +134,7 @@ def main() -> None:
                                "core_full": [round(t, 4) for t in core_ttft["full"]]}}
     stats = root / "stats.jsonl"
     blend_llm = llm(model, kv_transfer_config(f"disk:{root / 'kv'}", passages=str(root / "passages.jsonl"),
-                                              stats=str(stats)), args.dtype)
+                                              stats=str(stats)), args.dtype, args.compile)
     for name, opts in variants.items():
         first_tokens(blend_llm, prompts[: args.warmup], opts)
         done = len(stats.read_text().splitlines()) if stats.exists() else 0
