@@ -9,7 +9,7 @@ bucket's first query are visible to all of its rows: they are attended in one un
 call, the bucket's own span in a second call under a mask, and the two are merged by their
 log-sum-exp (exact).  A mask over the whole prefix would be as many bytes as the keys and
 rule out no work: on 3.7K-token prompts the split made blend's TTFT 5–10 % shorter at
-5 % and 15 % (docs/performance.md).  All of this stays exact — unlike a
+5 % and 15 % (docs/internals/performance-log.md).  All of this stays exact — unlike a
 bottom-right-aligned causal mask, which lets an early recomputed token see later ones.
 
 Where the engine has its own prefill kernel (:mod:`cacheblend.native`, float32), a plan

@@ -30,7 +30,7 @@ def pipelined(prefetch: bool | None) -> bool:
     layer), and on a host whose cores all run torch's OpenMP threads, the loader takes a core
     from one of them and the others wait for it at every barrier.  Measured on 2 cores, 2
     threads, musique prompts of 3.7K tokens from a disk store (``benchmarks/store_tiers.py``,
-    docs/performance.md): the loads took 0.12 s read before each layer and cost about 0.4 s
+    docs/internals/performance-log.md): the loads took 0.12 s read before each layer and cost about 0.4 s
     of TTFT read beside it (blend at 15 %: 1.28 s against 1.62 s; 1.21 s from memory).
     Memory-tier hits need no reading either way."""
     if prefetch is not None:

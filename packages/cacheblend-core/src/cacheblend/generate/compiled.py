@@ -2,7 +2,7 @@
 
 An eager decode step runs about 40 small ops per layer, 30 layers a token: RMSNorm, RoPE,
 SiLU gating, residuals, views.  Each costs a dispatch and a pass over a tiny tensor, and
-the step spends a fifth of its time outside any op (docs/performance.md).  Here the whole
+the step spends a fifth of its time outside any op (docs/internals/performance-log.md).  Here the whole
 step is one ``torch.compile`` graph, as gpt-fast does: inductor fuses the elementwise work
 of a layer into a few loops and Python runs once per token, not once per op.
 

@@ -2,7 +2,7 @@
 ``torch.compile``, or our own one-pass kernels (:meth:`Kernels.use_native`,
 :mod:`cacheblend.native`, float32 and bfloat16: the default where they build).
 
-The profile (docs/performance.md) puts a tenth of full prefill in elementwise work run as
+The profile (docs/internals/performance-log.md) puts a tenth of full prefill in elementwise work run as
 separate eager ops over [n, d] tensors: RMSNorm (square, mean, rsqrt, two products), RoPE
 (two products, a negation, a concatenation and a sum), SiLU-gating and the residual adds.
 Each op reads and writes the whole activation again.  Compiled, inductor fuses each of
