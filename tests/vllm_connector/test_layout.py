@@ -209,3 +209,34 @@ def test_a_failed_readback_turns_reading_off(vllm_layers, monkeypatch):
         check = readback.verify(kv, names, cfg, kvc, *_probe(9))
     assert not check.ok and "read the reference chunk back wrong" in check.reason, check
     assert kv.layout is None
+
+
+def test_caches_off_the_cpu_are_refused_before_anything_loads():
+    """A CUDA backend's caches (here on the meta device, which no CPU op can touch): the
+    worker blends on the CPU only, so the start-up check refuses them, naming the device,
+    without computing the reference chunk (the core engine is not even loaded)."""
+    from cacheblend.integrations.readback import start_up_check
+
+    layer = _impl(torch.float32)
+    kv = PagedKV([torch.zeros(4, HEADS, BLOCK, 2 * HEAD_DIM, device="meta")] * LAYERS, [layer] * LAYERS, BLOCK)
+
+    def reference():
+        raise AssertionError("the reference chunk must not be computed for caches off the CPU")
+    check = start_up_check(kv, ["a", "b"], None, None, reference)
+    assert not check.ok and "meta" in check.reason and "CPU only" in check.reason, check
+    assert kv.layout is None
+
+
+def test_a_self_check_that_cannot_run_turns_blending_off_instead_of_failing_the_worker():
+    """Whatever breaks while the check runs (here the reference chunk's computation, as when
+    the engine cannot load) is a failed check with its reason, not an exception out of
+    ``register_kv_caches``, which would stop the vLLM server from starting."""
+    from cacheblend.integrations.readback import start_up_check
+
+    kv = _paged(torch.float32)
+
+    def reference():
+        raise RuntimeError("Expected all tensors to be on the same device")
+    check = start_up_check(kv, ["a", "b"], None, None, reference)
+    assert not check.ok and "could not run" in check.reason and "same device" in check.reason, check
+    assert kv.layout is None

@@ -17,13 +17,15 @@ metadata from it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..blend.attention import positional_attention
-from .paged import SCRATCH_BLOCK, LayoutCheck, PagedKV, self_check
+from ..store import ChunkKV
+from .paged import SCRATCH_BLOCK, LayoutCheck, PagedKV, backend_name, self_check
 
 # largest |vLLM - reference| / max|reference| accepted, by cache dtype (rounding of the
 # cache and of the kernel's accumulation; a misread block is off by order one)
@@ -103,3 +105,23 @@ def verify(paged: PagedKV, names: list[str], vllm_config: Any, kv_cache_config: 
         paged.layout = None
         return LayoutCheck(False, check.backend, problem)
     return LayoutCheck(True, check.backend, f"{check.reason}; vLLM's attention read it back as the core computes it")
+
+
+def start_up_check(paged: PagedKV, names: list[str], vllm_config: Any, kv_cache_config: Any,
+                   reference: Callable[[], ChunkKV]) -> LayoutCheck:
+    """The verdict a worker reports at start-up: :func:`verify` on the reference chunk K/V
+    that ``reference()`` computes (the core engine loads on first call), never an exception.
+    The worker's fused prefill runs on the CPU, so KV caches on another device (a CUDA
+    backend) are refused before anything loads, and a check that cannot run at all is a
+    failed check: either way the server answers as plain vLLM, with the reason in its log."""
+    backend = backend_name(paged.layers[0])
+    devices = sorted({str(c.device) for c in paged.caches})
+    if devices != ["cpu"]:
+        return LayoutCheck(False, backend, f"vLLM's KV caches are on {', '.join(devices)}; the connector's "
+                                           "worker blends on the CPU only")
+    try:
+        probe = reference()
+        return verify(paged, names, vllm_config, kv_cache_config, probe.k, probe.v)
+    except Exception as e:  # noqa: BLE001 - a worker that cannot check its layout must not blend, nor crash
+        paged.layout = None
+        return LayoutCheck(False, backend, f"the self-check could not run: {type(e).__name__}: {e}")

@@ -8,15 +8,13 @@ Loaded by ``--kv-transfer-config`` (``cacheblend serve`` writes it; user guide: 
   registry (``"passages"``: a JSON-lines file, or a ``redis://`` set shared by servers).
 * Scheduler side: chunks are found in a request's token ids (client-given ``"chunks"``
   spans, else registered passages tokenized as the core tokenizes a chunk); a prompt of
-  at least ``min_tokens`` holding one is reported as ``len(prompt) - 1`` externally
-  computed tokens, so vLLM computes only the last token.
+  at least ``min_tokens`` holding one has ``len(prompt) - 1`` tokens loaded: vLLM computes the last.
 * Worker side: a core :class:`~cacheblend.engine.Engine` on the same folder and dtype, its
   products on vLLM's own layers when vLLM loads with ``load_format="cacheblend"``
   (:mod:`.vllm_model`), runs the fused prefill through its chunk-cache service (store
   lookups, verification, retries); the fused K/V are written into the request's paged blocks
-  (:mod:`.paged`).  If that fails, the blocks are reported as load errors and vLLM
-  recomputes them (``kv_load_failure_policy="recompute"``) or fails the request; it never
-  decodes from zeroed blocks.
+  (:mod:`.paged`); on failure the blocks are reported as load errors, which vLLM recomputes
+  (``kv_load_failure_policy="recompute"``) or fails the request over, never decoding zeroes.
 
 Per request, ``kv_transfer_params`` may carry ``"chunks"`` (``[start, end)`` token spans),
 any selection option of :class:`~cacheblend.config.RequestOptions` (``method``:
@@ -29,9 +27,8 @@ one with HTTP 400 (:mod:`.vllm_http`), and here a request with a bad one runs as
 vLLM, with the reason in the log (the scheduler must never raise).  Run vLLM with
 ``enable_prefix_caching=False`` (blended blocks must not enter vLLM's prefix cache as if
 exact).  K/V are written through the attention backend's own cache-update op; at start-up
-the worker self-checks the layout (:mod:`.paged`) and vLLM's attention reading a reference
-chunk back (:mod:`.readback`); if either fails, it tells the scheduler side, which then
-runs every request as plain vLLM.
+the worker checks its caches are on the CPU, the layout (:mod:`.paged`) and vLLM's attention
+reading a reference chunk back (:mod:`.readback`); a failure makes every request plain vLLM.
 """
 
 from __future__ import annotations
@@ -62,7 +59,7 @@ from ..store import ChunkKV, tier_total
 from ..store.spec import split_spec
 from .kv_params import KVParams, fit_spans, parse_kv_params
 from .paged import LayoutCheck, PagedKV, layer_order, paged_views
-from .readback import verify
+from .readback import start_up_check
 from .registry import REDIS_PASSAGES_KEY, ChunkMatcher, read_passages, register_passages
 from .vllm_meta import BlendLoad, BlendReceipts, CacheBlendMeta, ChunkSave, LayoutReport, request_params
 from .vllm_model import worker_engine
@@ -278,13 +275,16 @@ class CacheBlendConnector(KVConnectorBase_V1):
         names = layer_order(kv_caches)
         attention = self._vllm_config.compilation_config.static_forward_context
         self._paged = PagedKV([kv_caches[n] for n in names], [attention.get(n) for n in names], self.block_size)
-        eng = self.engine()
-        probe = eng.chunks.precompute(eng.prompts.chunk_ids("CacheBlend layout self-check: a known chunk.")
-                                      [: self.block_size - len(eng.chunks.sink)])
-        self._layout = verify(self._paged, names, self._vllm_config, self.kv_cache_config, probe.k, probe.v)
+        self._layout = start_up_check(self._paged, names, self._vllm_config, self.kv_cache_config, self._reference)
         (log.info if self._layout.ok else log.warning)("CacheBlend KV layout self-check %s on %s: %s",
                                                        "passed" if self._layout.ok else "FAILED (blending is off)",
                                                        self._layout.backend, self._layout.reason)
+
+    def _reference(self) -> ChunkKV:
+        """The self-check's reference: a known chunk's K/V as the core precomputes it."""
+        eng = self.engine()
+        return eng.chunks.precompute(eng.prompts.chunk_ids("CacheBlend layout self-check: a known chunk.")
+                                     [: self.block_size - len(eng.chunks.sink)])
 
     def get_handshake_metadata(self) -> LayoutReport:
         return LayoutReport(self._layout.ok, self._layout.backend, self._layout.reason)
