@@ -9,6 +9,9 @@ the limit (full prefill at the top: exact), and the TTFT of every rung it climbe
     cacheblend bench --fidelity-only --split dev ... --variants "reuse;blend@0.15;blend@0.3" --json dev.json
     python benchmarks/guard_sweep.py dev.json --base "blend@0.15" --ladder "blend@0.3"
 
+With ``--max-exposure`` it replays the guard's second limit too, on risk × exposure
+(:mod:`cacheblend.blend.exposure`), which the base variant must have measured.
+
 Prints, per limit, first-token agreement and KL against full prefill (95 % bootstrap
 intervals), the share of prompts escalated and the median speed-up over full prefill.
 Spearman's rho of the base variant's risk against its KL says how well the risk ranks
@@ -35,15 +38,25 @@ def by_prompt(samples: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
     return out
 
 
-def simulate(prompts: dict, rungs: list[str], limit: float) -> dict:
-    """The guard with ``rungs`` (base first; full prefill above the last) at ``limit``."""
+def trusted(s: dict, limit: float, max_exposure: float | None) -> bool:
+    """The guard's test (:func:`cacheblend.blend.exposure.within_guard`) on one sample."""
+    if s["risk"] is None:
+        return True
+    if s["risk"] > limit:
+        return False
+    return max_exposure is None or s["risk"] * (s.get("exposure") or 0.0) <= max_exposure
+
+
+def simulate(prompts: dict, rungs: list[str], limit: float, max_exposure: float | None = None) -> dict:
+    """The guard with ``rungs`` (base first; full prefill above the last) at ``limit`` (and
+    ``max_exposure``: the base needs its exposure measured, ``...:max_exposure=1``)."""
     agree, kl, speed, escalated = [], [], [], 0
     for runs in prompts.values():
         spent = 0.0
         for name in rungs:
             s = runs[name]
             spent += s["ttft_s"]
-            if s["risk"] is None or s["risk"] <= limit:
+            if trusted(s, limit, max_exposure):
                 agree.append(s["agree"])
                 kl.append(s["kl"])
                 break
@@ -63,6 +76,8 @@ def main() -> None:
     ap.add_argument("--base", default="blend@0.15", help="the variant the guard starts with")
     ap.add_argument("--ladder", default="", help="';'-separated variants climbed before full prefill")
     ap.add_argument("--dataset", default=None, help="only this data set")
+    ap.add_argument("--max-exposure", default="", help="','-separated limits on risk × exposure to replay "
+                    "with each max_risk (the base must have measured it: '...:max_exposure=1')")
     args = ap.parse_args()
     samples = json.loads(args.study.read_text())["samples"]
     if args.dataset:
@@ -75,10 +90,18 @@ def main() -> None:
     rho = spearman([s["risk"] for s in base], [s["kl"] for s in base])
     print(f"{len(prompts)} prompts; rungs {rungs} then full prefill; "
           f"Spearman rho(risk, KL) of {args.base}: {rho:.2f}")
-    print(f"{'max_risk':>8}  {'1st agree':<24}{'KL':<24}{'escalated':>10}{'speed-up':>10}")
-    for limit in LIMITS:
-        r = simulate(prompts, rungs, limit)
-        print(f"{limit:>8.2f}  {r['agree']!s:<24}{r['kl']!s:<24}{r['escalated']:>10.0%}{r['speedup_median']:>9.2f}x")
+    exposures: list[float | None] = [None, *(float(x) for x in args.max_exposure.split(",") if x)]
+    if exposures[1:] and any(s.get("exposure") is None for s in base):
+        raise SystemExit(f"{args.base} has no measured exposure; run it with ':max_exposure=1'")
+    if exposures[1:]:
+        rho_x = spearman([s["risk"] * s["exposure"] for s in base], [s["kl"] for s in base])
+        print(f"Spearman rho(risk x exposure, KL): {rho_x:.2f}")
+    print(f"{'max_risk':>8}{'max_exp':>9}  {'1st agree':<24}{'KL':<24}{'escalated':>10}{'speed-up':>10}")
+    for exposure in exposures:
+        for limit in LIMITS:
+            r = simulate(prompts, rungs, limit, exposure)
+            print(f"{limit:>8.2f}{'-' if exposure is None else format(exposure, '.4f'):>9}  {r['agree']!s:<24}"
+                  f"{r['kl']!s:<24}{r['escalated']:>10.0%}{r['speedup_median']:>9.2f}x")
 
 
 if __name__ == "__main__":

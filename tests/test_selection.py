@@ -107,7 +107,7 @@ def test_guard_keeps_a_confident_blend(default_engine):
     handles = default_engine.ingest(PASSAGES)
     plain = default_engine.generate(QUERY, handles, method="blend", max_new_tokens=1)
     guarded = default_engine.generate(QUERY, handles, method="blend", recompute_ratio="guard", max_risk=1.0,
-                                      max_new_tokens=1)
+                                      max_exposure=1.0, max_new_tokens=1)  # limits nothing exceeds
     assert not guarded.stats.escalated and guarded.stats.risk == pytest.approx(plain.stats.risk)
     assert torch.equal(guarded.first_token_logits, plain.first_token_logits)
 

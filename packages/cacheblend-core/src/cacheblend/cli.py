@@ -75,7 +75,7 @@ def cmd_ask(args) -> int:
     run = engine.start(args.question, texts, method=args.method, recompute_ratio=args.ratio,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, system=args.system,
                        preamble=args.preamble, seed=args.seed, stop=tuple(args.stop), timeout=args.timeout,
-                       max_risk=args.max_risk)
+                       max_risk=args.max_risk, max_exposure=args.max_exposure)
     for piece in run.pieces:
         print(piece, end="", flush=True)
     print()
@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-risk", type=float, default=DEFAULTS.max_risk, metavar="RISK",
                    help="risk limit of the quality guard (with --ratio guard, or alone): a riskier answer "
                         "is recomputed at larger ratios, up to full prefill")
+    p.add_argument("--max-exposure", type=float, default=DEFAULTS.max_exposure, metavar="LIMIT",
+                   help="the guard's limit on risk × exposure (how much the first token rests on stale "
+                        "K/V); with --ratio guard the default is the guard's own")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     p.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
     p.add_argument("--system", default=None, help="system message")

@@ -36,8 +36,9 @@ SHIFT_PARTS = ("kv", "k", "v")
 RATIO_MODES = ("auto", "guard")
 # RequestOptions fields that shape the selection (BlendConfig) besides the ratio
 SELECTION_FIELDS = ("check_layers", "deviation", "gradual", "selection", "chunk_heads", "chunk_budget", "probe_share",
-                    "shift_share", "shift_parts", "shift_values_from", "max_risk")
+                    "shift_share", "shift_parts", "shift_values_from", "max_risk", "max_exposure")
 GUARD_MAX_RISK = 0.9  # the guard's default risk limit, chosen on dev (docs/fidelity.md)
+GUARD_MAX_EXPOSURE = 0.02  # the guard's default limit on risk × exposure, chosen on dev (docs/fidelity.md)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,10 @@ class BlendConfig:
     ``max_risk`` turns on the quality guard: a
     prefill whose fidelity risk (:func:`cacheblend.blend.fusor.first_token_risk`) is above
     it runs again at each ratio of ``guard_ladder`` in turn (1.0: exact, full prefill's K/V)
-    until the risk is within the limit.
+    until the risk is within the limit.  ``max_exposure`` also escalates a prefill whose risk
+    times its exposure (:mod:`cacheblend.blend.exposure`: how much the first token's
+    attention rests on stale, deviating K/V) is above it: a confident answer built on stale
+    context.
     """
 
     recompute_ratio: float = 0.15
@@ -87,6 +91,7 @@ class BlendConfig:
     shift_parts: str = "kv"
     shift_values_from: float = 0.0
     max_risk: float | None = None
+    max_exposure: float | None = None
     guard_ladder: tuple[float, ...] = (1.0,)  # dev: a 30 % rung first was slower and no more faithful
 
     def __post_init__(self) -> None:
@@ -128,6 +133,9 @@ class BlendConfig:
         f = self.max_risk
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
             raise ValueError(f"max_risk must be a risk limit within [0, 1] or None, got {f!r}")
+        e = self.max_exposure
+        if e is not None and (isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e <= 1):
+            raise ValueError(f"max_exposure must be a limit within [0, 1] or None, got {e!r}")
         ladder = tuple(self.guard_ladder)
         if not ladder or any(not 0 < x <= 1 for x in ladder) or sorted(ladder) != list(ladder):
             raise ValueError(f"guard_ladder must be ascending ratios within (0, 1], got {ladder}")
@@ -215,6 +223,7 @@ class RequestOptions:
     shift_parts: str = _BLEND.shift_parts
     shift_values_from: float = _BLEND.shift_values_from
     max_risk: float | None = _BLEND.max_risk
+    max_exposure: float | None = _BLEND.max_exposure
     max_new_tokens: int = _SAMPLING.max_new_tokens
     temperature: float = _SAMPLING.temperature
     top_p: float = _SAMPLING.top_p
@@ -266,12 +275,16 @@ class RequestOptions:
 
     def blend(self, num_layers: int | None = None) -> BlendConfig:
         """The selection (ratio 0 unless blending; ``quality_floor`` to start ``auto`` and
-        ``guard``; the guard's risk limit is ``max_risk``, else :data:`GUARD_MAX_RISK`)."""
+        ``guard``; the guard's risk limit is ``max_risk``, else :data:`GUARD_MAX_RISK`, and
+        its exposure limit ``max_exposure``, else :data:`GUARD_MAX_EXPOSURE`)."""
         ratio = (self.quality_floor if self.auto or self.guard else self.recompute_ratio) \
             if self.method == "blend" else 0.0
         max_risk = self.max_risk if self.method == "blend" else None
+        max_exposure = self.max_exposure if self.method == "blend" else None
         if self.guard and max_risk is None:
             max_risk = GUARD_MAX_RISK
+        if self.guard and max_exposure is None:
+            max_exposure = GUARD_MAX_EXPOSURE
         try:
             floor = self.quality_floor
             if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
@@ -281,7 +294,7 @@ class RequestOptions:
                                  chunk_heads=self.chunk_heads, chunk_budget=self.chunk_budget,
                                  probe_share=self.probe_share, shift_share=self.shift_share,
                                  shift_parts=self.shift_parts, shift_values_from=self.shift_values_from,
-                                 max_risk=max_risk)
+                                 max_risk=max_risk, max_exposure=max_exposure)
             if num_layers is not None:
                 config.validate_for(num_layers)
         except (TypeError, ValueError) as e:

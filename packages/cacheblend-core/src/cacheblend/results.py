@@ -49,6 +49,7 @@ class BlendStats:
     exact: bool = True
     ratio_used: float = 0.0
     risk: float | None = None  # None: not known (a streamed answer from a vLLM server)
+    exposure: float | None = None  # the first token's lean on stale K/V; None: not measured (no exposure limit)
     escalated: bool = False
     exact_cached_tokens: int = 0  # of reused_tokens: read from exact caches (the prefix)
 
@@ -57,6 +58,7 @@ class BlendStats:
         self.prompt_tokens, self.reused_tokens = report.prompt_tokens, report.reused_tokens
         self.recomputed_tokens, self.computed_tokens = report.recomputed_tokens, report.computed_tokens
         self.exact, self.ratio_used, self.risk = report.exact, report.ratio_used, report.risk
+        self.exposure = report.exposure
         self.escalated, self.exact_cached_tokens = report.escalated, report.exact_cached_tokens
 
     @property
@@ -67,7 +69,8 @@ class BlendStats:
     def receipt(self) -> dict[str, Any]:
         """The fidelity receipt, as adapters put it in their response metadata."""
         return {"exact": self.exact, "method": self.method, "recompute_ratio": self.recompute_ratio,
-                "ratio_used": self.ratio_used, "risk": self.risk, "escalated": self.escalated,
+                "ratio_used": self.ratio_used, "risk": self.risk, "exposure": self.exposure,
+                "escalated": self.escalated,
                 "exact_cached_tokens": self.exact_cached_tokens, "approximate_tokens": self.approximate_tokens}
 
     def as_dict(self) -> dict:

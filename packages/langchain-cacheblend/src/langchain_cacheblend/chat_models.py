@@ -96,6 +96,8 @@ class ChatCacheBlend(BaseChatModel):
     """The chunk shift moves values only from this fraction of the model's depth on."""
     max_risk: float | None = _D.max_risk
     """The quality guard's risk limit (see ``response_metadata["cacheblend"]["fidelity"]``)."""
+    max_exposure: float | None = _D.max_exposure
+    """The quality guard's limit on risk × exposure (how much the first token rests on stale K/V)."""
     ignore_eos: bool = _D.ignore_eos
     """Decode past end-of-sequence up to ``max_tokens`` (fixed-length answers, for timing)."""
     learn: bool = Field(default=_D.learn, validation_alias=AliasChoices("learn", "learn_passages"))

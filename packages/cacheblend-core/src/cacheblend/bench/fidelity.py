@@ -47,7 +47,7 @@ def _value(field: str, text: str) -> Any:
     default = getattr(RequestOptions(), field)
     if field == "check_layers":
         return tuple(int(x) for x in text.split("+"))
-    if field in ("max_risk", "timeout"):
+    if field in ("max_risk", "max_exposure", "timeout"):
         return None if text == "none" else float(text)
     if isinstance(default, bool):
         if text not in ("true", "false"):
@@ -102,6 +102,7 @@ class Sample:
     risk: float | None
     escalated: bool
     exact: bool
+    exposure: float | None = None  # samples of studies before the exposure have none
 
 
 def prompt_tokens(engine, task: Task, ex: Example, system: str | None = None) -> int:
@@ -147,7 +148,8 @@ def run(engine, task: Task, examples: list[Example], specs: list[Spec], max_new_
                 dataset=task.name, example=start + i, variant=spec.name, agree=float(int(q.argmax()) == top),
                 kl=kl_first_token(p, q), p_full=float(probs[top]), margin=float(two[0] - two[1]),
                 output_f1=output_f1(r.text, ref.text), quality=quality(task.metric, r.text, ex.answers),
-                ttft_s=r.ttft_s, ratio_used=s.ratio_used, risk=s.risk, escalated=s.escalated, exact=s.exact))
+                ttft_s=r.ttft_s, ratio_used=s.ratio_used, risk=s.risk, exposure=s.exposure,
+                escalated=s.escalated, exact=s.exact))
     return out
 
 
@@ -173,6 +175,10 @@ def summarise(samples: list[Sample], variants: list[str], baselines: list[str]) 
         risky = [s for s in mine if s.risk is not None]
         rho = spearman([float(s.risk) for s in risky], [s.kl for s in risky]) if risky else math.nan  # type: ignore[arg-type]
         rec["risk_spearman_kl"] = None if math.isnan(rho) else rho
+        exposed = [s for s in risky if s.exposure is not None]
+        rho = spearman([float(s.risk) * float(s.exposure) for s in exposed],  # type: ignore[arg-type]
+                       [s.kl for s in exposed]) if exposed else math.nan
+        rec["exposure_spearman_kl"] = None if math.isnan(rho) else rho
         rec["vs"] = {}
         for b in baselines:
             base = _by(samples, b)
@@ -189,17 +195,19 @@ def samples_as_dicts(samples: list[Sample]) -> list[dict]:
 
 
 def table(records: list[dict], title: str) -> str:
-    """The records as a fixed-width table (mean [95 % interval])."""
+    """The records as a fixed-width table (mean [95 % interval]); rho and rhoX: Spearman's
+    rank correlation with KL of the risk and of risk × exposure."""
     def iv(d: dict) -> str:
         return f"{d['mean']:.3f} [{d['low']:.3f},{d['high']:.3f}]"
 
     lines = [title, f"{'variant':<48}{'n':>4}{'speed-up':>9}  {'1st agree':<22}{'KL':<22}{'out F1':<22}"
-                    f"{'ratio':>6}{'esc':>5}{'rho':>6}"]
+                    f"{'ratio':>6}{'esc':>5}{'rho':>6}{'rhoX':>6}"]
     for r in records:
-        rho = r["risk_spearman_kl"]
+        rho, rho_x = r["risk_spearman_kl"], r.get("exposure_spearman_kl")
         lines.append(f"{r['variant']:<48}{r['prompts']:>4}{r['speedup_median']:>8.2f}x  {iv(r['agree']):<22}"
                      f"{iv(r['kl']):<22}{iv(r['output_f1']):<22}{r['ratio_used_mean']:>6.2f}{r['escalated']:>5.0%}"
-                     f"{'' if rho is None else format(rho, '.2f'):>6}")
+                     f"{'' if rho is None else format(rho, '.2f'):>6}"
+                     f"{'' if rho_x is None else format(rho_x, '.2f'):>6}")
     return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ from ..generate.decode import KVCache
 from ..models.decoder import Decoder
 from ..store.entry import LayerSource
 from .attention import AttentionPlans
+from .exposure import StaleExposure
 from .loader import LayerLoader
 from .probe import QuestionProbe
 from .selection import BlendConfig, Candidates, choose, kv_deviation, query_attention
@@ -80,6 +81,7 @@ class FusionReport:
     compute_s: float = 0.0
     ratio_used: float = 0.0  # recomputed share of the approximate (reused, not exact) tokens
     risk: float = 0.0  # fidelity risk: see first_token_risk (0 when exact)
+    exposure: float | None = None  # the first token's lean on stale K/V (.exposure); None: not measured
     escalated: bool = False  # the quality guard re-ran it at a larger ratio
     exact: bool = True  # every K/V is full prefill's: no approximately reused token stayed stale
     exact_cached_tokens: int = 0  # tokens read from exact caches (a prefix), never computed
@@ -171,6 +173,9 @@ def fused_prefill(
     last_read = -1 if direct else config.check_layers[-1] if probed is not None and shift is None \
         else shape.num_layers - 1
     h = dec.embed(lay.ids[active])
+    # The exposure costs about 2 % of a blend's TTFT, so only a guard with an exposure limit measures it.
+    meter = StaleExposure(lay.candidate, shape.num_layers, shape.groups, dec.scaling) \
+        if 0.0 < ratio < 1.0 and config.max_exposure is not None else None
     checks, active_per_layer = {layer: i for i, layer in enumerate(config.check_layers)}, []
 
     plans = AttentionPlans(active, shape.dtype, shape.groups, dec.prefill_attention)
@@ -188,6 +193,8 @@ def fused_prefill(
                 _reposition(dec, kv, layer, reused_spans, cached, cos, sin, deltas)
             if capture is not None:
                 capture(layer, active, k, v)
+            if meter is not None:  # before the fresh values replace the cached ones
+                meter.values(active, v, kv.v[layer])
             _write(kv, layer, active, dec.rope(k, *tables), v)
 
             if layer in checks and 0.0 < ratio < 1.0 and not direct:
@@ -209,6 +216,8 @@ def fused_prefill(
                 plans = AttentionPlans(rows, shape.dtype, shape.groups, dec.prefill_attention)
                 row_tables = cos[rows], sin[rows]
             q = dec.rope(dec.queries(layer, x), *row_tables)
+            if meter is not None:
+                meter.attention(active, q[:, -1], kv.k[layer, :, :n])
             if attend is not None:
                 attend(layer, rows, q, kv.k[layer, :, :n])
             plan = plans[shape.windows[layer]]
@@ -218,7 +227,7 @@ def fused_prefill(
 
     kv.length = n
     report = _report(lay, active, dec.logits(h[-1:])[0], loader, active_per_layer,
-                     time.perf_counter() - t_start - loader.exposed_s)
+                     time.perf_counter() - t_start - loader.exposed_s, meter)
     if probed is not None:  # the probe's reading of the caches counts as this prefill's
         report.load_s += probed.report.load_s
         report.load_exposed_s += probed.report.load_exposed_s
@@ -254,9 +263,9 @@ def _probe(dec: Decoder, segments: Sequence[Segment], kv: KVCache, config: Blend
 
 
 def _report(lay: _Layout, active: Tensor, logits: Tensor, loader: LayerLoader, active_per_layer: list[int],
-            compute_s: float) -> FusionReport:
+            compute_s: float, meter: StaleExposure | None) -> FusionReport:
     """What the fused prefill did, with its fidelity receipt: exact when no approximately
-    reused token stayed stale, else the risk of the first token."""
+    reused token stayed stale, else the risk of the first token and its exposure."""
     n, n_uncached = lay.ids.numel(), int(lay.uncached.sum())
     hkvd = active[lay.candidate[active]]
     exact = hkvd.numel() == lay.n_candidates
@@ -266,6 +275,7 @@ def _report(lay: _Layout, active: Tensor, logits: Tensor, loader: LayerLoader, a
         active_per_layer=active_per_layer, load_s=loader.load_s, load_exposed_s=loader.exposed_s,
         compute_s=compute_s, ratio_used=hkvd.numel() / lay.n_candidates if lay.n_candidates else 1.0,
         risk=0.0 if exact else first_token_risk(logits), exact=exact,
+        exposure=0.0 if exact else None if meter is None else meter.value,
         exact_cached_tokens=n - n_uncached - lay.n_candidates,
     )
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..blend.exposure import within_guard
 from ..blend.fusor import FusionReport, KVCache, Segment, fused_prefill
 from ..config import BlendConfig
 from ..errors import CacheBlendError, UnknownChunkError
@@ -362,16 +363,18 @@ class ChunkCache:
 
     def _guarded(self, segments: list[Segment], kv: KVCache, blend: BlendConfig,
                  deadline: float | None) -> FusionReport:
-        """The fused prefill; with the quality guard on (``blend.max_risk``), a result riskier
-        than the limit is prefilled again at each larger ratio of ``blend.guard_ladder`` until
-        it is within it (the last rung, 1.0, is exact).  Its time counts in the request's TTFT:
-        the guard trades speed on the risky few for fidelity."""
+        """The fused prefill; with the quality guard on (``blend.max_risk`` or
+        ``blend.max_exposure``), a result the guard does not trust
+        (:func:`~cacheblend.blend.exposure.within_guard`) is prefilled again at each larger
+        ratio of ``blend.guard_ladder`` until it is trusted (the last rung, 1.0, is exact).
+        Its time counts in the request's TTFT: the guard trades speed on the risky few for
+        fidelity."""
         report = fused_prefill(self.decoder, segments, kv, blend, prefetch=self.prefetch, deadline=deadline)
-        if blend.max_risk is None or blend.recompute_ratio == 0.0:
+        if (blend.max_risk is None and blend.max_exposure is None) or blend.recompute_ratio == 0.0:
             return report
         spent = report.compute_s + report.load_s
         for ratio in blend.guard_ladder:
-            if report.exact or report.risk <= blend.max_risk:
+            if within_guard(report, blend):
                 break
             if ratio <= blend.recompute_ratio:
                 continue

@@ -117,6 +117,8 @@ class CacheBlendLLM(CustomLLM):
                                      "moves values only from this fraction of the model's depth on.")
     max_risk: float | None = Field(default=_D.max_risk, description="The quality guard's risk limit (see "
                                                                     "raw['cacheblend']['fidelity']).")
+    max_exposure: float | None = Field(default=_D.max_exposure, description="The quality guard's limit on risk "
+                                       "× exposure (how much the first token rests on stale K/V).")
     seed: int | None = _D.seed
     stop: list[str] = Field(default_factory=lambda: list(_D.stop), description="Strings that end the answer.")
     ignore_eos: bool = Field(default=_D.ignore_eos, description="Decode past end-of-sequence up to max_tokens "
