@@ -313,8 +313,8 @@ def test_malformed_hints_run_as_plain_vllm(setup, plain, blend_llm):
 
 def test_fidelity_receipt_and_guard_in_the_marker(setup, plain, blend_llm):
     """Every blended answer says how it was made (the worker's receipt reaches the response
-    marker, also for a one-token answer); the guard at risk limit 0 escalates to exact
-    prefill and gives plain vLLM's token."""
+    marker, also for a one-token answer, with the exposure under an exposure limit); the
+    guard at risk limit 0 escalates to exact prefill and gives plain vLLM's token."""
     from vllm import SamplingParams, TokensPrompt
 
     ids = setup["prompts"][1]
@@ -329,6 +329,9 @@ def test_fidelity_receipt_and_guard_in_the_marker(setup, plain, blend_llm):
         assert receipt is not None, f"no receipt with max_tokens={max_tokens}"
         assert receipt["exact"] is False and abs(receipt["ratio_used"] - 0.15) < 0.01
         assert 0 < receipt["risk"] <= 1 and not receipt["escalated"] and receipt["approximate_tokens"] > 0
+    assert receipt["exposure"] is None  # measured only under an exposure limit
+    _, receipt = ask({"recompute_ratio": 0.15, "max_exposure": 1.0})  # measured, never escalating
+    assert 0 < receipt["exposure"] < 1 and not receipt["escalated"] and not receipt["exact"]
     token, receipt = ask({"recompute_ratio": "guard", "max_risk": 0.0})
     assert receipt["escalated"] and receipt["exact"] and receipt["ratio_used"] == 1.0
-    assert token == plain[1][0][0]
+    assert receipt["exposure"] == 0.0 and token == plain[1][0][0]
