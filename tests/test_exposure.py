@@ -55,6 +55,7 @@ def test_guard_mode_sets_the_exposure_limit_and_checks_it():
     assert RequestOptions.parse({"recompute_ratio": "guard"}).blend().max_exposure == GUARD_MAX_EXPOSURE
     assert RequestOptions.parse({"recompute_ratio": "guard", "max_exposure": 0.5}).blend().max_exposure == 0.5
     assert RequestOptions.parse({}).blend().max_exposure is None
+    assert RequestOptions.parse({"max_risk": 0.9}).blend().max_exposure is None  # the guard on the margin alone
     assert RequestOptions.parse({"method": "reuse", "max_exposure": 0.1}).blend().max_exposure is None
     for bad in (-0.1, 1.5, "high", True):
         with pytest.raises(CacheBlendError, match="max_exposure"):

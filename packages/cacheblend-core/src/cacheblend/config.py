@@ -95,9 +95,12 @@ class BlendConfig:
     guard_ladder: tuple[float, ...] = (1.0,)  # dev: a 30 % rung first was slower and no more faithful
 
     def __post_init__(self) -> None:
-        r = self.recompute_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= float(r) <= 1.0:
-            raise ValueError(f"recompute_ratio must be within [0, 1], got {r!r}")
+        for name in ("recompute_ratio", "probe_share", "shift_share", "shift_values_from", "max_risk", "max_exposure"):
+            x = getattr(self, name)
+            if not (x is None and name.startswith("max_")) and (
+                    isinstance(x, bool) or not isinstance(x, (int, float)) or not 0.0 <= x <= 1.0):
+                raise ValueError(f"{name} must be within [0, 1]{' or None' if name.startswith('max_') else ''}, "
+                                 f"got {x!r}")
         if self.deviation not in DEVIATIONS:
             raise ValueError(f"deviation must be one of {DEVIATIONS}, got {self.deviation!r}")
         if isinstance(self.check_layers, (str, bytes)) or not hasattr(self.check_layers, "__iter__"):
@@ -119,29 +122,14 @@ class BlendConfig:
             raise ValueError(f"chunk_budget must be one of {CHUNK_BUDGETS}, got {self.chunk_budget!r}")
         if isinstance(self.chunk_heads, bool) or not isinstance(self.chunk_heads, int) or self.chunk_heads < 0:
             raise ValueError(f"chunk_heads must be an int >= 0, got {self.chunk_heads!r}")
-        p = self.probe_share
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
-            raise ValueError(f"probe_share must be within [0, 1], got {p!r}")
-        s = self.shift_share
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0:
-            raise ValueError(f"shift_share must be within [0, 1], got {s!r}")
-        d = self.shift_values_from
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0:
-            raise ValueError(f"shift_values_from must be a fraction of the depth within [0, 1], got {d!r}")
         if self.shift_parts not in SHIFT_PARTS:
             raise ValueError(f"shift_parts must be one of {SHIFT_PARTS}, got {self.shift_parts!r}")
-        f = self.max_risk
-        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
-            raise ValueError(f"max_risk must be a risk limit within [0, 1] or None, got {f!r}")
-        e = self.max_exposure
-        if e is not None and (isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e <= 1):
-            raise ValueError(f"max_exposure must be a limit within [0, 1] or None, got {e!r}")
         ladder = tuple(self.guard_ladder)
         if not ladder or any(not 0 < x <= 1 for x in ladder) or sorted(ladder) != list(ladder):
             raise ValueError(f"guard_ladder must be ascending ratios within (0, 1], got {ladder}")
         object.__setattr__(self, "guard_ladder", ladder)
         object.__setattr__(self, "check_layers", layers)
-        object.__setattr__(self, "recompute_ratio", float(r))
+        object.__setattr__(self, "recompute_ratio", float(self.recompute_ratio))
 
     @property
     def uses_attention(self) -> bool:
@@ -279,12 +267,10 @@ class RequestOptions:
         its exposure limit ``max_exposure``, else :data:`GUARD_MAX_EXPOSURE`)."""
         ratio = (self.quality_floor if self.auto or self.guard else self.recompute_ratio) \
             if self.method == "blend" else 0.0
-        max_risk = self.max_risk if self.method == "blend" else None
-        max_exposure = self.max_exposure if self.method == "blend" else None
-        if self.guard and max_risk is None:
-            max_risk = GUARD_MAX_RISK
-        if self.guard and max_exposure is None:
-            max_exposure = GUARD_MAX_EXPOSURE
+        max_risk, max_exposure = (self.max_risk, self.max_exposure) if self.method == "blend" else (None, None)
+        if self.guard:  # the guard's own limits where the request sets none
+            max_risk = GUARD_MAX_RISK if max_risk is None else max_risk
+            max_exposure = GUARD_MAX_EXPOSURE if max_exposure is None else max_exposure
         try:
             floor = self.quality_floor
             if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
