@@ -37,7 +37,7 @@ RATIO_MODES = ("auto", "guard")
 # RequestOptions fields that shape the selection (BlendConfig) besides the ratio
 SELECTION_FIELDS = ("check_layers", "deviation", "gradual", "selection", "chunk_heads", "chunk_budget", "probe_share",
                     "shift_share", "shift_parts", "shift_values_from", "max_risk", "max_exposure")
-GUARD_MAX_RISK = 0.9  # the guard's default risk limit, chosen on dev (docs/fidelity.md)
+GUARD_MAX_RISK = 0.95  # the guard's default margin-risk limit, chosen on dev with the exposure limit (docs/fidelity.md)
 GUARD_MAX_EXPOSURE = 0.02  # the guard's default limit on risk × exposure, chosen on dev (docs/fidelity.md)
 
 
