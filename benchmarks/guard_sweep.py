@@ -93,7 +93,7 @@ def choose(results: dict[tuple[float, float | None], list[dict]], max_escalated:
                                          pair[0], math.inf if pair[1] is None else pair[1]))
 
 
-def load(path: Path, base: str, rungs: list[str], dataset: str | None) -> dict:
+def load(path: Path, rungs: list[str], dataset: str | None) -> dict:
     """One study's prompts that ran every rung and full prefill."""
     samples = json.loads(path.read_text())["samples"]
     if dataset:
@@ -119,7 +119,7 @@ def main() -> None:
     args = ap.parse_args()
     rungs = [args.base] + [r for r in args.ladder.split(";") if r]
     exposures: list[float | None] = [None, *(float(x) for x in args.max_exposure.split(",") if x)]
-    studies = {path: load(path, args.base, rungs, args.dataset) for path in args.study}
+    studies = {path: load(path, rungs, args.dataset) for path in args.study}
     for path, prompts in studies.items():
         base = [p[args.base] for p in prompts.values()]
         rho = spearman([s["risk"] for s in base], [s["kl"] for s in base])
