@@ -35,8 +35,11 @@ import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 from cacheblend.bench.stats import bootstrap, spearman
+from cacheblend.blend.exposure import within_guard
+from cacheblend.config import BlendConfig
 
 LIMITS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
 
@@ -48,25 +51,26 @@ def by_prompt(samples: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
     return out
 
 
-def trusted(s: dict, limit: float, max_exposure: float | None) -> bool:
-    """The guard's test (:func:`cacheblend.blend.exposure.within_guard`) on one sample."""
+def trusted(s: dict, guard: BlendConfig) -> bool:
+    """The engine's own test (:func:`cacheblend.blend.exposure.within_guard`) on one sample;
+    a sample without a risk (no receipt) is taken as it is."""
     if s["risk"] is None:
         return True
-    if s["risk"] > limit:
-        return False
-    return max_exposure is None or s["risk"] * (s.get("exposure") or 0.0) <= max_exposure
+    report = SimpleNamespace(exact=bool(s.get("exact")), risk=s["risk"], exposure=s.get("exposure"))
+    return within_guard(report, guard)  # type: ignore[arg-type]
 
 
 def simulate(prompts: dict, rungs: list[str], limit: float, max_exposure: float | None = None) -> dict:
     """The guard with ``rungs`` (base first; full prefill above the last) at ``limit`` (and
     ``max_exposure``: the base needs its exposure measured, ``...:max_exposure=1``)."""
     agree, kl, speed, escalated = [], [], [], 0
+    guard = BlendConfig(max_risk=limit, max_exposure=max_exposure)
     for runs in prompts.values():
         spent = 0.0
         for name in rungs:
             s = runs[name]
             spent += s["ttft_s"]
-            if trusted(s, limit, max_exposure):
+            if trusted(s, guard):
                 agree.append(s["agree"])
                 kl.append(s["kl"])
                 break

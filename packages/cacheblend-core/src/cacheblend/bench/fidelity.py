@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -173,12 +174,9 @@ def summarise(samples: list[Sample], variants: list[str], baselines: list[str]) 
         rec["escalated"] = statistics.mean(float(s.escalated) for s in mine)
         rec["exact"] = statistics.mean(float(s.exact) for s in mine)
         risky = [s for s in mine if s.risk is not None]
-        rho = spearman([float(s.risk) for s in risky], [s.kl for s in risky]) if risky else math.nan  # type: ignore[arg-type]
-        rec["risk_spearman_kl"] = None if math.isnan(rho) else rho
-        exposed = [s for s in risky if s.exposure is not None]
-        rho = spearman([float(s.risk) * float(s.exposure) for s in exposed],  # type: ignore[arg-type]
-                       [s.kl for s in exposed]) if exposed else math.nan
-        rec["exposure_spearman_kl"] = None if math.isnan(rho) else rho
+        rec["risk_spearman_kl"] = _rho_kl(risky, lambda s: s.risk)
+        rec["exposure_spearman_kl"] = _rho_kl([s for s in risky if s.exposure is not None],
+                                              lambda s: float(s.risk) * float(s.exposure))  # type: ignore[arg-type]
         rec["vs"] = {}
         for b in baselines:
             base = _by(samples, b)
@@ -188,6 +186,12 @@ def summarise(samples: list[Sample], variants: list[str], baselines: list[str]) 
                             for m in ("agree", "kl", "output_f1")}
         records.append(rec)
     return records
+
+
+def _rho_kl(samples: list[Sample], signal: Callable[[Sample], Any]) -> float | None:
+    """Spearman's rho of ``signal`` against the first-token KL; None where undefined."""
+    rho = spearman([float(signal(s)) for s in samples], [s.kl for s in samples]) if samples else math.nan
+    return None if math.isnan(rho) else rho
 
 
 def samples_as_dicts(samples: list[Sample]) -> list[dict]:

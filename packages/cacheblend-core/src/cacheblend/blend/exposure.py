@@ -51,6 +51,7 @@ class StaleExposure:
         self._rows_of: Tensor | None = None  # the active set the cached index tensors below are for
         self._cols = self._rows = self._stale = candidate
         self._stale_of: Tensor | None = None
+        self._any_stale = False
 
     def values(self, active: Tensor, fresh: Tensor, cached: Tensor) -> None:
         """``fresh``: values ``[kv_heads, len(active), hd]`` of the tokens at ``active``;
@@ -73,7 +74,10 @@ class StaleExposure:
         if self._stale_of is not active:
             stale = self.candidate[: keys.shape[1]].clone()
             stale[active] = False
-            self._stale, self._stale_of = stale.to(torch.float32), active
+            self._stale, self._stale_of, self._any_stale = stale.to(torch.float32), active, bool(stale.any())
+        if not self._any_stale:  # up to the check layer every candidate is computed: no score row needed
+            self.masses.append(0.0)
+            return
         kv_heads, _, hd = keys.shape
         q = query.float().reshape(kv_heads, self.groups, hd)
         probs = torch.softmax(torch.bmm(q, keys.float().transpose(1, 2)).mul_(self.scaling), dim=-1)  # [kvh, g, n]
