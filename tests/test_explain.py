@@ -52,7 +52,9 @@ def test_deviation_and_recompute_set(engine):
     sample = evenly_spaced(ex.chunk_spans, min(ex.shift_share, 0.3), len(ex.tokens), torch.device("cpu"))
     assert ex.shift_share > 0 and bool(chosen[sample].all())  # the chunk-shift sample, then ...
     hkvd = chosen & ~sample
-    assert ex.deviation[hkvd].min() >= ex.deviation[cand][~chosen[cand]].max()  # ... the highest, as HKVD picks
+    assert ex.pool is not None and bool(ex.pool[hkvd].all())  # ... from the check pool (the default's) ...
+    left = ex.pool & ~chosen
+    assert ex.deviation[hkvd].min() >= ex.deviation[left].max()  # ... the highest, as HKVD picks
     with pytest.raises(CacheBlendError):
         ex.recomputed(1.5)
 

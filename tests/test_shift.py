@@ -139,7 +139,8 @@ def test_shift_parts_moves_only_the_named_half(default_engine):
     with torch.inference_mode():
         for parts in ("kv", "k", "v"):
             kv = KVCache(dec.shape, n, "cpu")
-            report = fused_prefill(dec, segs, kv, BlendConfig(recompute_ratio=0.3, shift_share=0.2, shift_parts=parts))
+            report = fused_prefill(dec, segs, kv, BlendConfig(recompute_ratio=0.3, shift_share=0.2, shift_parts=parts,
+                                                             check_pool=1.0))  # shifted from layer 2
             runs[parts], recomputed[parts] = kv, set(report.hkvd_positions.tolist())
         cos, sin = dec.rope_tables(torch.arange(n))
     first = BlendConfig().check_layers[0] + 1

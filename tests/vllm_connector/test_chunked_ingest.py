@@ -18,6 +18,7 @@ import torch  # noqa: E402
 pytest.importorskip("vllm")
 
 from cacheblend import Engine  # noqa: E402
+from cacheblend.blend.hint import decode_hint  # noqa: E402
 from cacheblend.datasets import load_qa  # noqa: E402
 from cacheblend.store import open_store  # noqa: E402
 from cacheblend.store.entry import read_entry  # noqa: E402
@@ -57,6 +58,9 @@ def test_a_chunk_longer_than_one_prefill_step_is_saved_after_its_last_step(tmp_p
     ref = core.precompute_chunk(ids)
     for saved, own in ((entry.k, ref.k), (entry.v, ref.v)):
         _assert_same_rows(saved, own)
+    # the deviation hint is stored with vLLM's K/V as with the core's own
+    hint, own_hint = decode_hint(entry.meta, len(ids)), decode_hint(ref.meta, len(ids))
+    assert hint is not None and float(torch.corrcoef(torch.stack([hint, own_hint]))[0, 1]) > 0.99
 
 
 def _assert_same_rows(saved, own):

@@ -25,9 +25,7 @@ from .errors import CacheBlendError
 METHODS = ("full", "prefix", "reuse", "blend")
 DEVIATIONS = ("v", "k", "kv")
 CHUNK_SINKS = ("bos", "frame")
-# The chunk sink a model family gets when the engine is not told one, chosen on dev
-# prompts (docs/fidelity.md, "The chunk sink per model": Qwen2 on Qwen2.5-Coder-0.5B,
-# Llama on SmolLM2-135M); families not listed get "bos".
+# A model family's chunk sink unless told one, chosen on dev (docs/fidelity.md); unlisted: "bos".
 MODEL_CHUNK_SINKS: Mapping[str, str] = {"qwen2": "frame", "llama": "frame"}
 KV_DTYPES = ("float32", "bfloat16", "float16")
 SELECTIONS = ("deviation", "attention", "impact", "probe")
@@ -36,7 +34,9 @@ SHIFT_PARTS = ("kv", "k", "v")
 RATIO_MODES = ("auto", "guard")
 # RequestOptions fields that shape the selection (BlendConfig) besides the ratio
 SELECTION_FIELDS = ("check_layers", "deviation", "gradual", "selection", "chunk_heads", "chunk_budget", "probe_share",
-                    "shift_share", "shift_parts", "shift_values_from", "max_risk", "max_exposure")
+                    "shift_share", "shift_parts", "shift_values_from", "max_risk", "max_exposure", "check_pool")
+_SHARES = ("recompute_ratio", "check_pool", "probe_share", "shift_share", "shift_values_from", "max_risk",
+           "max_exposure")  # BlendConfig's fields within [0, 1] (the max_ ones: or None)
 GUARD_MAX_RISK = 0.95  # the guard's default margin-risk limit, chosen on dev with the exposure limit (docs/fidelity.md)
 GUARD_MAX_EXPOSURE = 0.02  # the guard's default limit on risk × exposure, chosen on dev (docs/fidelity.md)
 
@@ -69,6 +69,9 @@ class BlendConfig:
     or ``"v"``); ``shift_values_from`` moves values only from that fraction of the
     model's depth on (0: every layer after the check layer; on Qwen's samsum dev prompts
     the early layers' value shift carried all of the shift's loss, docs/internals).
+    ``check_pool`` below 1 runs the layers up to the check layer only for each chunk's top
+    share by the deviation hint stored at ingestion (:mod:`cacheblend.blend.hint`); the check
+    ranks that pool (chunks stored without a hint get the full check).
     ``max_risk`` turns on the quality guard: a
     prefill whose fidelity risk (:func:`cacheblend.blend.fusor.first_token_risk`) is above
     it runs again at each ratio of ``guard_ladder`` in turn (1.0: exact, full prefill's K/V)
@@ -92,11 +95,11 @@ class BlendConfig:
     shift_values_from: float = 0.0
     max_risk: float | None = None
     max_exposure: float | None = None
+    check_pool: float = 0.5  # dev: KL +0.000 against 1.0, both models, 5-12 % sooner (docs/fidelity.md)
     guard_ladder: tuple[float, ...] = (1.0,)  # dev: a 30 % rung first was slower and no more faithful
 
     def __post_init__(self) -> None:
-        for name in ("recompute_ratio", "probe_share", "shift_share", "shift_values_from", "max_risk", "max_exposure"):
-            x = getattr(self, name)
+        for name, x in ((name, getattr(self, name)) for name in _SHARES):
             if not (x is None and name.startswith("max_")) and (
                     isinstance(x, bool) or not isinstance(x, (int, float)) or not 0.0 <= x <= 1.0):
                 raise ValueError(f"{name} must be within [0, 1]{' or None' if name.startswith('max_') else ''}, "
@@ -212,6 +215,7 @@ class RequestOptions:
     shift_values_from: float = _BLEND.shift_values_from
     max_risk: float | None = _BLEND.max_risk
     max_exposure: float | None = _BLEND.max_exposure
+    check_pool: float = _BLEND.check_pool
     max_new_tokens: int = _SAMPLING.max_new_tokens
     temperature: float = _SAMPLING.temperature
     top_p: float = _SAMPLING.top_p
@@ -275,12 +279,9 @@ class RequestOptions:
             floor = self.quality_floor
             if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
                 raise ValueError(f"quality_floor must be within [0, 1], got {self.quality_floor!r}")
-            config = BlendConfig(recompute_ratio=ratio, check_layers=self.check_layers,  # type: ignore[arg-type]
-                                 deviation=self.deviation, gradual=self.gradual, selection=self.selection,
-                                 chunk_heads=self.chunk_heads, chunk_budget=self.chunk_budget,
-                                 probe_share=self.probe_share, shift_share=self.shift_share,
-                                 shift_parts=self.shift_parts, shift_values_from=self.shift_values_from,
-                                 max_risk=max_risk, max_exposure=max_exposure)
+            selection = {f: getattr(self, f) for f in SELECTION_FIELDS} | {"max_risk": max_risk,
+                                                                            "max_exposure": max_exposure}
+            config = BlendConfig(recompute_ratio=ratio, **selection)  # type: ignore[arg-type]
             if num_layers is not None:
                 config.validate_for(num_layers)
         except (TypeError, ValueError) as e:

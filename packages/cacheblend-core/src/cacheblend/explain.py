@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .blend.fusor import KVCache, Segment, fused_prefill
+from .blend.hint import check_pool
 from .blend.selection import Candidates, choose, kv_deviation
 from .blend.shift import evenly_spaced
 from .cache.chunks import LookupCounter
@@ -78,6 +79,8 @@ class Explanation:
     options: dict[str, Any] = field(default_factory=dict)
     shift_share: float = 0.0  # the request's chunk-shift sample (BlendConfig.shift_share)
     chunk_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each chunk
+    check_pool: float = 1.0  # the request's BlendConfig.check_pool
+    pool: Tensor | None = None  # [n] bool: the check pool, where one applies (None: every chunk token)
 
     @property
     def candidates(self) -> Tensor:
@@ -88,7 +91,7 @@ class Explanation:
         """``[n]`` bool: the chunk tokens the blend recomputes at ``ratio`` (default: the
         request's): ``round(ratio × chunk tokens)`` in all, the chunk-shift sample
         (:func:`cacheblend.blend.shift.evenly_spaced`) first, then the HKVD tokens, those of
-        highest deviation, as the fusor chooses them."""
+        highest deviation (within the check pool, where one applies), as the fusor chooses them."""
         ratio = self.recompute_ratio if ratio is None else ratio
         if not 0.0 <= ratio <= 1.0:
             raise CacheBlendError(f"ratio must be in [0, 1], got {ratio!r}")
@@ -102,6 +105,8 @@ class Explanation:
             out |= evenly_spaced(self.chunk_spans, min(self.shift_share, ratio), len(self.tokens), out.device)
             keep -= int(out.sum())
         rest = cand[~out[cand]]
+        if self.pool is not None and ratio < self.check_pool:  # the check ranks only its pool
+            rest = rest[self.pool[rest]]
         if keep > 0:  # the fusor's own choice (its order, its ties), by deviation
             chunk = torch.zeros(len(self.tokens), dtype=torch.long)
             offset = torch.zeros_like(chunk)
@@ -155,8 +160,10 @@ def explain(engine: Engine, query: str, chunks: Sequence[ChunkHandle | str], *, 
     for (start, end), source in zip(spans, cached, strict=True):
         k, v = source.layer(check)
         deviation[start:end] = kv_deviation(fresh[0][:, start:end], fresh[1][:, start:end], k, v, blend.deviation)
+    pool = check_pool([(a, b, src.meta) for (a, b), src in zip(spans, cached, strict=True)], blend.check_pool,
+                      len(tokens), torch.device("cpu")) if blend.check_pool < 1.0 else None
     out = Explanation(tokens, deviation, check, blend.recompute_ratio, options=dict(options),
-                      shift_share=blend.shift_share, chunk_spans=list(spans))
+                      shift_share=blend.shift_share, chunk_spans=list(spans), check_pool=blend.check_pool, pool=pool)
     if attention_layer is not None:
         out.attention = probe.maps(prompt, handles, spans, tokens, blend)
     if answers:

@@ -31,6 +31,7 @@ from ..models.decoder import Decoder
 from ..store.entry import LayerSource
 from .attention import AttentionPlans
 from .exposure import StaleExposure
+from .hint import check_pool
 from .loader import LayerLoader
 from .probe import QuestionProbe
 from .selection import BlendConfig, Candidates, choose, kv_deviation, query_attention
@@ -161,12 +162,15 @@ def fused_prefill(
     if config.selection == "probe" and 0.0 < ratio < 1.0:
         probed = _probe(dec, segments, kv, config, lay, prefetch, deadline)
     cos, sin = dec.rope_tables(torch.arange(n, device=kv.k.device))
-    active = torch.nonzero(lay.uncached | lay.candidate if ratio > 0 else lay.uncached).squeeze(1)
     chosen = probed.chosen if probed is not None else None
     direct = chosen is not None
+    sample, shift = _shift_sample(config, ratio, direct, lay, reused_spans, shape.num_layers)
+    pool = None if chosen is not None else _check_pool(config, ratio, lay, reused_spans, sample)
     if chosen is not None:  # the probe's tokens: recomputed from layer 0 on, no check layer
         active = torch.nonzero(lay.uncached | chosen).squeeze(1)
-    sample, shift = _shift_sample(config, ratio, direct, lay, reused_spans, shape.num_layers)
+    else:
+        active = torch.nonzero(lay.uncached | (lay.candidate if pool is None else pool) if ratio > 0
+                               else lay.uncached).squeeze(1)
     # After a probe the fused cache already holds every re-positioned reused K/V; only a
     # check layer still reads the caches (deviation compares against them), and a chunk
     # shift, which moves the cached K/V of every layer.
@@ -188,8 +192,9 @@ def fused_prefill(
             k, v = dec.keys_values(layer, x)
             if layer <= last_read:
                 cached = loader.layer(layer)
+                # stale from the layer after the check layer on, or from the check layer with a pool
                 deltas = shift.deltas(active, k, v, cached, layer) \
-                    if shift is not None and layer > config.check_layers[0] else None
+                    if shift is not None and layer >= config.check_layers[0] + (pool is None) else None
                 _reposition(dec, kv, layer, reused_spans, cached, cos, sin, deltas)
             if capture is not None:
                 capture(layer, active, k, v)
@@ -303,6 +308,18 @@ def _shift_sample(config: BlendConfig, ratio: float, direct: bool, lay: _Layout,
                            lay.ids.numel(), lay.ids.device)
     return sample, ChunkShift(approx, sample, config.shift_parts, round(config.shift_values_from * num_layers),
                               [s.cached for _, _, s in spans])
+
+
+def _check_pool(config: BlendConfig, ratio: float, lay: _Layout, spans: list[tuple[int, int, Segment]],
+                sample: Tensor | None) -> Tensor | None:
+    """The candidates computed up to the check layer when ``check_pool`` < 1: each chunk's
+    top share by its stored deviation hint, and the shift sample (:mod:`cacheblend.blend.hint`).
+    None: every candidate (a pool no larger than the budget, a probe, or a chunk without a hint)."""
+    if not ratio < config.check_pool < 1.0 or config.selection != "deviation":
+        return None
+    approx = [(a, b, s.cached.meta) for a, b, s in spans if not s.exact and s.cached is not None]
+    pool = check_pool(approx, config.check_pool, lay.ids.numel(), lay.ids.device)
+    return pool if pool is None or sample is None else pool | sample
 
 
 def first_token_risk(logits: Tensor) -> float:

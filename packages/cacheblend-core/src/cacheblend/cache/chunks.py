@@ -19,6 +19,7 @@ import torch
 
 from ..blend.exposure import within_guard
 from ..blend.fusor import FusionReport, KVCache, Segment, fused_prefill
+from ..blend.hint import HINT_FIELD, encode_hint
 from ..config import BlendConfig
 from ..errors import CacheBlendError, UnknownChunkError
 from ..models.decoder import Decoder
@@ -26,6 +27,7 @@ from ..prompt import PromptBuilder, PromptIds
 from ..results import ChunkHandle
 from ..store import ChunkKV, CorruptEntry, LayerSource, Tier, tier_total
 from ..store.entry import PrefixView, ShapeChecked
+from .hint import FILLER, HINT_LAYER, deviation_score
 from .keys import chunk_key, is_entry_key
 
 ATTEMPTS = 3  # a damaged entry is looked up again; the last attempt bypasses the store
@@ -66,7 +68,7 @@ class ChunkCache:
 
     def __init__(self, decoder: Decoder, store: Tier, prompts: PromptBuilder, fingerprint: str,
                  sink: Sequence[int], device: torch.device, prefetch: bool = True,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, hints: bool = True) -> None:
         self.decoder = decoder
         self.store = store
         self.prompts = prompts
@@ -81,6 +83,8 @@ class ChunkCache:
         self.device = device
         self.prefetch = prefetch
         self.separator: list[int] = prompts.encode(prompts.chunk_separator)
+        self.hints = hints  # store a deviation hint with every chunk (:mod:`cacheblend.blend.hint`)
+        self.filler: list[int] = prompts.chunk_ids(FILLER)
         # Texts seen lately, to their handles: a RAG app passes the same passages as strings
         # request after request, and tokenizing and hashing six 600-token passages again took
         # about 5 ms of each TTFT.  256 handles of ~600 ids hold about 5 MB.
@@ -130,7 +134,16 @@ class ChunkCache:
         """K (pre-RoPE) and V of ``ids`` run behind the sink at position 0, with the sink's
         own K/V dropped (DESIGN.md, chunk precompute)."""
         kv = self._prefill_kv(list(self.sink) + list(ids), keep_from=len(self.sink))
-        return ChunkKV(kv.k.to(self.kv_dtype), kv.v.to(self.kv_dtype), self.meta(ids))
+        return ChunkKV(kv.k.to(self.kv_dtype), kv.v.to(self.kv_dtype), self.hinted_meta(ids, kv.v[HINT_LAYER]))
+
+    def hinted_meta(self, ids: Sequence[int], values: torch.Tensor) -> dict[str, str]:
+        """:meth:`meta`, with the chunk's deviation hint (:mod:`cacheblend.cache.hint`) computed
+        from ``values``, its cached values at the hint layer, when hints are on and fit."""
+        meta = self.meta(ids)
+        if self.hints and len(self.sink) + len(self.filler) + len(ids) <= self.decoder.shape.max_positions:
+            meta[HINT_FIELD] = encode_hint(deviation_score(self.decoder, self.sink, self.filler, ids, values,
+                                                           self.device))
+        return meta
 
     def precompute_prefix(self, ids: Sequence[int]) -> ChunkKV:
         """Exact K/V of a prompt prefix at position 0 (what prefix caching reuses)."""
@@ -151,7 +164,8 @@ class ChunkCache:
         key = self.handle(ids).key
         if self.store.open(key) is not None:
             return False
-        return bool(self.store.put(key, ChunkKV(kv.k.to(self.kv_dtype), kv.v.to(self.kv_dtype), self.meta(ids))))
+        return bool(self.store.put(key, ChunkKV(kv.k.to(self.kv_dtype), kv.v.to(self.kv_dtype),
+                                                self.hinted_meta(ids, kv.v[HINT_LAYER]))))
 
     def release(self, handle: ChunkHandle) -> bool:
         """Delete the chunk's entry from every tier (exact key only); whether one was stored."""

@@ -1,0 +1,144 @@
+"""The deviation hint and the check pool (cacheblend/blend/hint.py, cacheblend/cache/hint.py):
+what ingestion stores, which tokens run up to the check layer, and that the check then
+ranks them as the full check does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
+from cacheblend.blend.hint import HINT_FIELD, check_pool, decode_hint, encode_hint
+from cacheblend.cache.hint import FILLER, HINT_LAYER, layer_values
+from cacheblend.config import BlendConfig, RequestOptions
+from cacheblend.errors import CacheBlendError
+from cacheblend.store import ChunkKV
+from cacheblend.store.disk import DiskStore
+from conftest import PASSAGES, QUERY
+
+CPU = torch.device("cpu")
+
+
+def test_hint_text_round_trips_and_bad_text_is_no_hint():
+    score = torch.tensor([0.0, 1.5, 300.0, 7e4])
+    back = decode_hint({HINT_FIELD: encode_hint(score)}, 4)
+    assert back.tolist() == [0.0, 1.5, 300.0, 6e4]  # float16, clamped below its range
+    assert decode_hint({HINT_FIELD: encode_hint(score)}, 2).tolist() == [0.0, 1.5]  # a prefix view's tokens
+    for meta in ({}, {HINT_FIELD: "not base64!"}, {HINT_FIELD: encode_hint(score)[:-4]},
+                 {HINT_FIELD: encode_hint(torch.tensor([1.0, float("nan")]))}, {HINT_FIELD: 3}):
+        assert decode_hint(meta, 4) is None
+
+
+def test_pool_takes_the_top_share_over_all_chunks_or_nothing_without_a_hint():
+    a = {HINT_FIELD: encode_hint(torch.tensor([5.0, 1.0, 9.0, 2.0]))}
+    b = {HINT_FIELD: encode_hint(torch.tensor([0.5, 3.0]))}
+    got = check_pool([(1, 5, a), (5, 7, b)], 0.5, 8, CPU)
+    assert torch.nonzero(got).squeeze(1).tolist() == [1, 3, 6]  # 3 of 6 tokens: 9, 5 and 3
+    short = {HINT_FIELD: encode_hint(torch.tensor([10.0, 11.0]))}  # a short chunk that deviates all over
+    got = check_pool([(1, 5, a), (5, 7, short)], 0.5, 8, CPU)
+    assert torch.nonzero(got).squeeze(1).tolist() == [3, 5, 6]
+    assert check_pool([(1, 5, a), (5, 7, {})], 0.5, 8, CPU) is None
+
+
+def test_bad_pool_shares_are_refused():
+    for bad in (-0.1, 1.5, True, "0.4"):
+        with pytest.raises(ValueError, match="check_pool"):
+            BlendConfig(check_pool=bad)
+        with pytest.raises(CacheBlendError, match="check_pool"):
+            RequestOptions.parse({"check_pool": bad})
+
+
+def test_ingestion_stores_the_value_distance_behind_the_filler(default_engine, tmp_path):
+    """The stored hint is, per token, the squared distance of its hint-layer values behind
+    sink + filler from its cached values, rebuilt here from two plain prefills; it survives
+    the disk store."""
+    chunks = default_engine.chunks
+    handle = default_engine.ingest([PASSAGES[0]])[0]
+    entry = default_engine.store.get(handle.key)
+    ids = list(handle.token_ids)
+    filler = default_engine.prompts.chunk_ids(FILLER)
+    behind = layer_values(default_engine.decoder, [*chunks.sink, *filler, *ids], HINT_LAYER, CPU)
+    alone = layer_values(default_engine.decoder, [*chunks.sink, *ids], HINT_LAYER, CPU)
+    want = (behind[:, -len(ids):] - alone[:, len(chunks.sink):]).pow(2).sum(dim=(0, 2))
+    got = decode_hint(entry.meta, len(ids))
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-3)
+    assert int((got > 0).sum()) > len(ids) // 2  # the filler moves most tokens' values
+
+    disk = DiskStore(tmp_path)
+    assert disk.put(handle.key, entry)
+    assert torch.equal(decode_hint(disk.get(handle.key).meta, len(ids)), got)
+
+
+def _segments(engine, handles, meta_of=None):
+    prompt = engine.prompts.build(QUERY, [list(h.token_ids) for h in handles], None)
+    segs = [Segment(prompt.prefix)]
+    for i, h in enumerate(handles):
+        c = engine.store.get(h.key)
+        if meta_of is not None:
+            c = ChunkKV(c.k, c.v, meta_of(c.meta, i))
+        segs.append(Segment(h.token_ids, c))
+    return prompt, segs + [Segment(prompt.suffix)]
+
+
+def _fuse(engine, segs, n, **blend):
+    with torch.inference_mode():
+        return fused_prefill(engine.decoder, segs, KVCache(engine.decoder.shape, n, "cpu"), BlendConfig(**blend))
+
+
+def test_only_the_pool_runs_up_to_the_check_layer(default_engine):
+    handles = default_engine.ingest(PASSAGES)
+    prompt, segs = _segments(default_engine, handles)
+    n, chunk_tokens = len(prompt.all_ids), sum(h.num_tokens for h in handles)
+    uncached = n - chunk_tokens  # the frame and the question
+    full = _fuse(default_engine, segs, n, recompute_ratio=0.15, check_pool=1.0)
+    pooled = _fuse(default_engine, segs, n, recompute_ratio=0.15, check_pool=0.4)
+    assert full.active_per_layer[0] == n
+    pool = round(0.4 * chunk_tokens)
+    # the pool, the question and the frame, plus shift-sample tokens outside the pool
+    assert uncached + pool <= pooled.active_per_layer[0] < n
+    assert pooled.active_per_layer[2:] == full.active_per_layer[2:]  # the same budget after the check
+    assert pooled.recomputed_tokens == full.recomputed_tokens
+
+
+def test_the_check_ranks_the_pool_by_its_real_deviation(default_engine):
+    """With a pool that holds the full check's choice, the check picks the same tokens: the
+    pool's layer-0 outputs are exact (layer-0 keys and values depend on the token alone)."""
+    handles = default_engine.ingest(PASSAGES)
+    prompt, segs = _segments(default_engine, handles)
+    n, start = len(prompt.all_ids), len(prompt.prefix)
+    full = _fuse(default_engine, segs, n, recompute_ratio=0.15, check_pool=1.0)
+    chosen = set(full.hkvd_positions.tolist())
+    offsets = [start + sum(h.num_tokens for h in handles[:i]) for i in range(len(handles))]
+
+    def meta_of(meta, index):  # the full check's choice first, then the rest by position
+        first = offsets[index]
+        score = torch.tensor([2.0 + 1.0 / (i + 1) if first + i in chosen else 1.0 / (i + 1)
+                              for i in range(handles[index].num_tokens)])
+        return meta | {HINT_FIELD: encode_hint(score)}
+
+    _, hinted = _segments(default_engine, handles, meta_of)
+    pooled = _fuse(default_engine, hinted, n, recompute_ratio=0.15, check_pool=0.5)
+    assert pooled.active_per_layer[0] < n
+    assert pooled.hkvd_positions.tolist() == full.hkvd_positions.tolist()
+
+
+def test_chunks_without_a_hint_get_the_full_check(default_engine):
+    handles = default_engine.ingest(PASSAGES)
+    prompt, segs = _segments(default_engine, handles, lambda meta, _: {k: v for k, v in meta.items()
+                                                                        if k != HINT_FIELD})
+    n = len(prompt.all_ids)
+    report = _fuse(default_engine, segs, n, recompute_ratio=0.15, check_pool=0.4)
+    assert report.active_per_layer[0] == n
+    assert report.hkvd_positions.tolist() == _fuse(default_engine, segs, n, recompute_ratio=0.15,
+                                                   check_pool=1.0).hkvd_positions.tolist()
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_identities_hold_with_a_pool(default_engine, ratio):
+    handles = default_engine.ingest(PASSAGES)
+    method = "reuse" if ratio == 0.0 else "full"
+    ref = default_engine.generate(QUERY, handles, method=method, max_new_tokens=8)
+    got = default_engine.generate(QUERY, handles, method="blend", recompute_ratio=ratio, check_pool=0.4,
+                                  max_new_tokens=8)
+    torch.testing.assert_close(got.first_token_logits, ref.first_token_logits, atol=1e-3, rtol=1e-3)
+    assert got.token_ids == ref.token_ids
