@@ -68,7 +68,7 @@ class ChunkCache:
 
     def __init__(self, decoder: Decoder, store: Tier, prompts: PromptBuilder, fingerprint: str,
                  sink: Sequence[int], device: torch.device, prefetch: bool = True,
-                 kv_dtype: torch.dtype | None = None, hints: bool = True) -> None:
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.decoder = decoder
         self.store = store
         self.prompts = prompts
@@ -83,8 +83,7 @@ class ChunkCache:
         self.device = device
         self.prefetch = prefetch
         self.separator: list[int] = prompts.encode(prompts.chunk_separator)
-        self.hints = hints  # store a deviation hint with every chunk (:mod:`cacheblend.blend.hint`)
-        self.filler: list[int] = prompts.chunk_ids(FILLER)
+        self.filler: list[int] = prompts.chunk_ids(FILLER)  # what the deviation hint is measured behind
         # Texts seen lately, to their handles: a RAG app passes the same passages as strings
         # request after request, and tokenizing and hashing six 600-token passages again took
         # about 5 ms of each TTFT.  256 handles of ~600 ids hold about 5 MB.
@@ -138,9 +137,9 @@ class ChunkCache:
 
     def hinted_meta(self, ids: Sequence[int], values: torch.Tensor) -> dict[str, str]:
         """:meth:`meta`, with the chunk's deviation hint (:mod:`cacheblend.cache.hint`) computed
-        from ``values``, its cached values at the hint layer, when hints are on and fit."""
+        from ``values``, its cached values at the hint layer, where the filler fits before it."""
         meta = self.meta(ids)
-        if self.hints and len(self.sink) + len(self.filler) + len(ids) <= self.decoder.shape.max_positions:
+        if len(self.sink) + len(self.filler) + len(ids) <= self.decoder.shape.max_positions:
             meta[HINT_FIELD] = encode_hint(deviation_score(self.decoder, self.sink, self.filler, ids, values,
                                                            self.device))
         return meta

@@ -306,6 +306,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         self.last_stats = {"req_id": load.req_id, "op": "load", "prompt_tokens": report.prompt_tokens,
                            "chunks": len(load.spans), "recompute_ratio": load.blend.recompute_ratio,
                            "reused": report.reused_tokens, "recomputed": report.recomputed_tokens,
+                           "checked": report.active_per_layer[0],  # computed up to the check layer
                            "computed": report.computed_tokens, "store_hits": counter.hits,
                            "store_misses": counter.misses, "store_rejected": counter.rejected,
                            "store_unreachable": tier_total(eng.store, "unreachable") - unreachable,
