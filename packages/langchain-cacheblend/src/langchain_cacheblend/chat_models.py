@@ -98,6 +98,8 @@ class ChatCacheBlend(BaseChatModel):
     """The quality guard's risk limit (see ``response_metadata["cacheblend"]["fidelity"]``)."""
     max_exposure: float | None = _D.max_exposure
     """The quality guard's limit on risk × exposure (how much the first token rests on stale K/V)."""
+    check_pool: float = _D.check_pool
+    """Share of the chunk tokens, by the deviation hint stored at ingestion, run up to the check layer (1: all)."""
     ignore_eos: bool = _D.ignore_eos
     """Decode past end-of-sequence up to ``max_tokens`` (fixed-length answers, for timing)."""
     learn: bool = Field(default=_D.learn, validation_alias=AliasChoices("learn", "learn_passages"))

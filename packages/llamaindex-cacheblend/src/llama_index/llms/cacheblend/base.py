@@ -119,6 +119,8 @@ class CacheBlendLLM(CustomLLM):
                                                                     "raw['cacheblend']['fidelity']).")
     max_exposure: float | None = Field(default=_D.max_exposure, description="The quality guard's limit on risk "
                                        "× exposure (how much the first token rests on stale K/V).")
+    check_pool: float = Field(default=_D.check_pool, ge=0.0, le=1.0, description="Share of the chunk tokens, by "
+                              "the deviation hint stored at ingestion, run up to the check layer (1: all).")
     seed: int | None = _D.seed
     stop: list[str] = Field(default_factory=lambda: list(_D.stop), description="Strings that end the answer.")
     ignore_eos: bool = Field(default=_D.ignore_eos, description="Decode past end-of-sequence up to max_tokens "
