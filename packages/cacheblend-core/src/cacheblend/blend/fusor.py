@@ -312,12 +312,12 @@ def _shift_sample(config: BlendConfig, ratio: float, direct: bool, lay: _Layout,
 
 def _check_pool(config: BlendConfig, ratio: float, lay: _Layout, spans: list[tuple[int, int, Segment]],
                 sample: Tensor | None) -> Tensor | None:
-    """The candidates computed up to the check layer when ``check_pool`` < 1: each chunk's
-    top share by its stored deviation hint, and the shift sample (:mod:`cacheblend.blend.hint`).
+    """The candidates computed up to the check layer when ``check_pool`` < 1: the top share of
+    all chunk tokens by their stored deviation hints, and the shift sample (:mod:`cacheblend.blend.hint`).
     None: every candidate (a pool no larger than the budget, a probe, or a chunk without a hint)."""
     if not ratio < config.check_pool < 1.0 or config.selection != "deviation":
         return None
-    approx = [(a, b, s.cached.meta) for a, b, s in spans if not s.exact and s.cached is not None]
+    approx = [(a, b, s.cached.meta) for a, b, s in spans if not s.exact]  # type: ignore[union-attr]
     pool = check_pool(approx, config.check_pool, lay.ids.numel(), lay.ids.device)
     return pool if pool is None or sample is None else pool | sample
 

@@ -306,12 +306,11 @@ class CacheBlendConnector(KVConnectorBase_V1):
         self.last_stats = {"req_id": load.req_id, "op": "load", "prompt_tokens": report.prompt_tokens,
                            "chunks": len(load.spans), "recompute_ratio": load.blend.recompute_ratio,
                            "reused": report.reused_tokens, "recomputed": report.recomputed_tokens,
-                           "checked": report.active_per_layer[0],  # computed up to the check layer
-                           "computed": report.computed_tokens, "store_hits": counter.hits,
-                           "store_misses": counter.misses, "store_rejected": counter.rejected,
+                           "checked": report.active_per_layer[0], "computed": report.computed_tokens,
+                           "store_hits": counter.hits, "store_misses": counter.misses,
+                           "store_rejected": counter.rejected, "products": eng.decoder.products,
                            "store_unreachable": tier_total(eng.store, "unreachable") - unreachable,
                            "prefix_cached": prefix.hits > 0 and not prefix.misses,
-                           "products": eng.decoder.products,
                            "fidelity": self._step_receipts[load.req_id],  # blend_s = compute + load_exposed + lookups
                            "compute_s": round(report.compute_s, 3), "load_exposed_s": round(report.load_exposed_s, 3)}
         return kv
