@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cacheblend import Engine
 from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
 from cacheblend.blend.hint import HINT_FIELD, check_pool, decode_hint, encode_hint
 from cacheblend.cache.hint import FILLER, HINT_LAYER, layer_values
@@ -14,7 +15,7 @@ from cacheblend.config import BlendConfig, RequestOptions
 from cacheblend.errors import CacheBlendError
 from cacheblend.store import ChunkKV
 from cacheblend.store.disk import DiskStore
-from conftest import PASSAGES, QUERY
+from conftest import PASSAGES, QUERY, make_tiny_model
 
 CPU = torch.device("cpu")
 
@@ -142,3 +143,40 @@ def test_identities_hold_with_a_pool(default_engine, ratio):
                                   max_new_tokens=8)
     torch.testing.assert_close(got.first_token_logits, ref.first_token_logits, atol=1e-3, rtol=1e-3)
     assert got.token_ids == ref.token_ids
+
+
+def _strip_hints(engine, handles):
+    """Rewrite each chunk's entry as a version before hints stored it; returns the entries."""
+    before = {}
+    for h in handles:
+        kv = engine.store.get(h.key)
+        before[h.key] = kv
+        assert engine.store.put(h.key, ChunkKV(kv.k, kv.v, {k: v for k, v in kv.meta.items() if k != HINT_FIELD}))
+        assert HINT_FIELD not in engine.store.get(h.key).meta
+    return before
+
+
+def test_an_entry_stored_without_a_hint_gets_it_on_first_use(default_model_dir, tmp_path):
+    """A store filled by a version before hints: the first prompt over its entries runs the
+    full check on them as they are and adds each entry's hint in the background, its K/V
+    untouched; the next prompt checks the pool.  ``ingest`` adds a missing hint at once."""
+    engine = Engine.load(make_tiny_model(tmp_path / "m", "llama", default_model_dir), store=f"disk:{tmp_path / 'kv'}")
+    handles = engine.ingest(PASSAGES)
+    before = _strip_hints(engine, handles)
+
+    first = engine.generate(QUERY, handles, method="blend", max_new_tokens=1)
+    s = first.stats
+    assert s.checked_tokens == s.approximate_tokens + s.recomputed_tokens  # no hint: the full check
+    engine.chunks.wait_learning()
+    for h in handles:
+        after = engine.store.get(h.key)
+        assert torch.equal(after.k, before[h.key].k) and torch.equal(after.v, before[h.key].v)
+        assert torch.equal(decode_hint(after.meta, h.num_tokens), decode_hint(before[h.key].meta, h.num_tokens))
+    second = engine.generate(QUERY, handles, method="blend", max_new_tokens=1)
+    s = second.stats
+    assert 0 < s.checked_tokens < s.approximate_tokens + s.recomputed_tokens  # the check pool
+
+    _strip_hints(engine, handles[:1])
+    engine.ingest(PASSAGES[:1])  # no waiting: ingest returns with the hint stored
+    assert torch.equal(decode_hint(engine.store.get(handles[0].key).meta, handles[0].num_tokens),
+                       decode_hint(before[handles[0].key].meta, handles[0].num_tokens))

@@ -128,6 +128,30 @@ def test_a_read_only_store_directory_serves_read_only(model, reference, tmp_path
     assert str(root) in caplog.text
 
 
+def test_a_read_only_store_without_hints_is_served_and_the_hint_tried_once(model, tmp_path):
+    """Entries stored before deviation hints, in a store that cannot be written: every prompt
+    is served (with the full check) and each entry's hint is attempted once, not per prompt."""
+    from cacheblend.blend.hint import HINT_FIELD
+
+    root = tmp_path / "kv"
+    engine = Engine.load(model, store=f"disk:{root}")
+    engine.generate(QUERY, PASSAGES, **GEN)  # stores the prompt's prefix too
+    for h in engine.ingest(PASSAGES):
+        kv = engine.store.get(h.key)
+        engine.store.put(h.key, ChunkKV(kv.k, kv.v, {k: v for k, v in kv.meta.items() if k != HINT_FIELD}))
+    engine.store.index.close()
+    full_check = Engine.load(model, store="memory").generate(QUERY, PASSAGES, check_pool=1.0, **GEN).token_ids
+    paths = sorted(root.rglob("*"), reverse=True) + [root]
+    with immutable(*paths):
+        engine = Engine.load(model, store=f"disk:{root}")
+        for _ in range(3):
+            r = engine.generate(QUERY, PASSAGES, **GEN)
+            engine.chunks.wait_learning()
+            assert r.token_ids == full_check
+            assert r.stats.checked_tokens == r.stats.approximate_tokens + r.stats.recomputed_tokens
+        assert engine.store.skipped_writes == len(PASSAGES)  # one attempt per entry
+
+
 # -- 8. strays, symlinks, capacity -------------------------------------------------------
 def test_stray_and_dangling_files_are_skipped_and_reported(model, reference, tmp_path):
     root = tmp_path / "kv"

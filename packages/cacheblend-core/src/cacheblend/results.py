@@ -52,6 +52,9 @@ class BlendStats:
     exposure: float | None = None  # the first token's lean on stale K/V; None: not measured (no exposure limit)
     escalated: bool = False
     exact_cached_tokens: int = 0  # of reused_tokens: read from exact caches (the prefix)
+    # chunk tokens (then recomputed or left stale) that ran up to the check layer to be ranked:
+    # the check pool, about half of them; all of them when a chunk was stored without a hint
+    checked_tokens: int = 0
 
     def take_prefill(self, report: Any) -> None:
         """Token counts and the fidelity receipt of a fused prefill (a ``FusionReport``)."""
@@ -60,6 +63,7 @@ class BlendStats:
         self.exact, self.ratio_used, self.risk = report.exact, report.ratio_used, report.risk
         self.exposure = report.exposure
         self.escalated, self.exact_cached_tokens = report.escalated, report.exact_cached_tokens
+        self.checked_tokens = report.active_per_layer[0] - report.computed_tokens if report.active_per_layer else 0
 
     @property
     def approximate_tokens(self) -> int:

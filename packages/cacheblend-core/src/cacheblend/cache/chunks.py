@@ -12,7 +12,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -27,7 +27,8 @@ from ..prompt import PromptBuilder, PromptIds
 from ..results import ChunkHandle
 from ..store import ChunkKV, CorruptEntry, LayerSource, Tier, tier_total
 from ..store.entry import PrefixView, ShapeChecked
-from .hint import FILLER, HINT_LAYER, deviation_score
+from .background import KeyedJobs
+from .hint import FILLER, HINT_LAYER, add_hint, deviation_score
 from .keys import chunk_key, is_entry_key
 
 ATTEMPTS = 3  # a damaged entry is looked up again; the last attempt bypasses the store
@@ -89,9 +90,9 @@ class ChunkCache:
         # about 5 ms of each TTFT.  256 handles of ~600 ids hold about 5 MB.
         self._text_handles = functools.lru_cache(maxsize=256)(self._handle_of_text)
         self.lock = threading.Lock()  # the store and the controller are shared; decoding is not
-        self._learning: dict[str, Future] = {}  # key -> background precompute of a learned chunk
-        self._learning_lock = threading.Lock()
-        self._learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-learn")
+        background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-learn")
+        self._learning = KeyedJobs(background, "precompute")  # by handle key: chunks first seen in a prompt
+        self._hinting = KeyedJobs(background, "hint backfill", once=True)  # by entry key (background.py)
 
     # -- identity ----------------------------------------------------------------------
     def handle(self, ids: Sequence[int]) -> ChunkHandle:
@@ -150,11 +151,12 @@ class ChunkCache:
         return ChunkKV(kv.k, kv.v, self.meta(ids, PREFIX_POLICY))
 
     def ingest(self, handle: ChunkHandle) -> bool:
-        """Precompute and store ``handle``'s chunk unless a trusted entry is stored;
-        returns whether it was computed now."""
+        """Precompute and store ``handle``'s chunk unless a trusted entry is stored (one stored
+        without a deviation hint gets it now); returns whether it was computed now."""
         counter = LookupCounter()
         with self.lock:
             self.chunk_source(handle, counter)
+        self._hinting.wait(self._entry(handle)[0])
         return counter.misses > 0
 
     def save(self, ids: Sequence[int], kv: ChunkKV) -> bool:
@@ -206,8 +208,16 @@ class ChunkCache:
             def compute(ids: Sequence[int]) -> ChunkKV:
                 kv = self.precompute(ids)
                 return ChunkKV(kv.k, kv.v, kv.meta | {"origin": LEARNED})
-        source = self._lookup(key, ids, compute, counter)
+        source = self._hint_missing(key, ids, self._lookup(key, ids, compute, counter))
         return source if len(ids) == handle.num_tokens else PrefixView(source, handle.num_tokens)
+
+    def _hint_missing(self, key: str, ids: list[int], source: LayerSource) -> LayerSource:
+        """``source``, served as it is; if it was stored without a deviation hint (by a version
+        before hints) the hint is added to the stored entry in the background (:func:`add_hint`):
+        this prompt runs the full check, later ones the check pool."""
+        if HINT_FIELD not in source.meta:
+            self._hinting.submit(key, lambda: add_hint(self.store, key, ids, self.hinted_meta))
+        return source
 
     def _entry(self, handle: ChunkHandle) -> tuple[str, list[int]]:
         """The key and token ids of the entry that serves ``handle`` (itself, or itself
@@ -225,31 +235,22 @@ class ChunkCache:
         source = self._stored(key, len(ids), counter)
         if source is None:
             return None
+        source = self._hint_missing(key, ids, source)
         return source if len(ids) == handle.num_tokens else PrefixView(source, handle.num_tokens)
 
     # -- learning off the critical path ---------------------------------------------------
     def learn_later(self, handles: Sequence[ChunkHandle]) -> None:
         """Precompute and store chunks on a background thread: a passage first seen inside
         a prompt is computed in place by that prompt's prefill, and cached for the next."""
-        with self._learning_lock:
-            for handle in handles:
-                if handle.key not in self._learning:
-                    self._learning[handle.key] = self._learner.submit(self._learn, handle)
-
-    def _learn(self, handle: ChunkHandle) -> None:
-        try:
-            self._chunk_source(handle, LookupCounter(), learned=True)
-        finally:
-            with self._learning_lock:
-                self._learning.pop(handle.key, None)
+        for handle in handles:
+            self._learning.submit(handle.key, functools.partial(self._chunk_source, handle, LookupCounter(), True))
 
     def wait_learning(self, handle: ChunkHandle | None = None) -> None:
-        """Wait until ``handle``'s background precompute (or every one) has finished."""
-        with self._learning_lock:
-            pending = [self._learning.get(handle.key)] if handle is not None else list(self._learning.values())
-        for future in pending:
-            if future is not None:
-                future.exception()  # waits; a failure was logged by nobody and is recomputed on use
+        """Wait until ``handle``'s background precompute (or all background work, hints
+        included) has finished; a precompute that failed was logged, and is redone on use."""
+        self._learning.wait(None if handle is None else handle.key)
+        if handle is None:
+            self._hinting.wait()
 
     def prefix_source(self, ids: Sequence[int], counter: LookupCounter) -> LayerSource:
         """Exact K/V of a prompt prefix computed at position 0 (prefix caching)."""

@@ -9,16 +9,20 @@ and one layer's K/V of about 120 + n tokens: 4–7 % of the chunk's 30-layer pre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ..blend.fusor import KVCache, Segment, fused_prefill
+from ..blend.hint import HINT_FIELD
 from ..config import BlendConfig
 from ..models.decoder import Decoder
+from ..store import ChunkKV, Tier
 
-__all__ = ["FILLER", "HINT_LAYER", "deviation_score"]
+__all__ = ["FILLER", "HINT_LAYER", "add_hint", "deviation_score"]
+
+KEPT_META = ("origin",)  # meta of the old entry that the entry with a hint keeps (eviction order)
 
 HINT_LAYER = 1  # the paper's (and the default) check layer
 # Any passage unrelated to the chunks serves; this one was written for the purpose (it is
@@ -64,3 +68,20 @@ def deviation_score(decoder: Decoder, sink: Sequence[int], filler: Sequence[int]
     behind ``sink`` alone)."""
     v = layer_values(decoder, [*sink, *filler, *ids], HINT_LAYER, device)[:, len(sink) + len(filler):]
     return (v.float() - cached_values.float()).pow(2).sum(dim=(0, 2))
+
+
+def add_hint(store: Tier, key: str, ids: Sequence[int], hinted_meta: Callable[[Sequence[int], Tensor], dict[str, str]]
+             ) -> bool:
+    """Give the stored chunk ``ids`` under ``key``, stored without a hint (by a version before
+    hints), its hint: computed from the entry's own hint-layer values, so its K/V are written
+    back unchanged under a meta with the hint (``hinted_meta(ids, values)``).  False when there
+    is nothing to add (no trusted entry, a hint already, a chunk too long for the filler) or
+    the store did not take it; the entry then stays as it was, served with the full check."""
+    kv = store.get(key)
+    if kv is None or HINT_FIELD in kv.meta or kv.num_tokens != len(ids):
+        return False
+    meta = hinted_meta(ids, kv.v[HINT_LAYER])
+    if HINT_FIELD not in meta:
+        return False
+    meta |= {k: kv.meta[k] for k in KEPT_META if k in kv.meta}
+    return bool(store.put(key, ChunkKV(kv.k, kv.v, meta)))
