@@ -335,3 +335,37 @@ def test_fidelity_receipt_and_guard_in_the_marker(setup, plain, blend_llm):
     token, receipt = ask({"recompute_ratio": "guard", "max_risk": 0.0})
     assert receipt["escalated"] and receipt["exact"] and receipt["ratio_used"] == 1.0
     assert receipt["exposure"] == 0.0 and token == plain[1][0][0]
+
+
+def test_an_entry_without_a_hint_gets_one_from_the_worker(setup, outputs, blend_llm, redis_server):
+    """An entry stored before deviation hints: the worker serves it with the full check and
+    adds its hint in the background (K/V untouched); the next request checks the pool."""
+    import time
+
+    import redis
+
+    from cacheblend.blend.hint import HINT_FIELD, decode_hint
+
+    redis.Redis.from_url(redis_server.url).flushdb()  # so the Redis tier cannot serve a copy with a hint
+    engine, handles, prompt = setup["engine"], setup["handles"][2], setup["prompts"][2]
+    handle = handles[0]
+    entry = read_entry(engine.store.open(handle.key))
+    engine.store.put(handle.key, ChunkKV(entry.k, entry.v, {k: v for k, v in entry.meta.items() if k != HINT_FIELD}))
+    chunk_tokens = sum(h.num_tokens for h in handles)
+
+    _generate(blend_llm, [(prompt, 1, 0.15)])
+    load = blend_llm.stats()[-1]
+    assert load["checked"] - load["computed"] == chunk_tokens  # no hint: every chunk token is checked
+    deadline = time.monotonic() + 120
+    while HINT_FIELD not in engine.store.open(handle.key).meta:
+        assert time.monotonic() < deadline, "the worker did not add the hint"
+        time.sleep(0.5)
+    hinted = read_entry(engine.store.open(handle.key))
+    assert torch.equal(hinted.k, entry.k) and torch.equal(hinted.v, entry.v)
+    # the worker's products round differently from this process's (see above): close, not equal
+    torch.testing.assert_close(decode_hint(hinted.meta, handle.num_tokens), decode_hint(entry.meta, handle.num_tokens),
+                               rtol=2e-2, atol=1e-3)
+    (tokens, _), = _generate(blend_llm, [(prompt, 1, 0.15)])
+    load = blend_llm.stats()[-1]
+    assert 0 < load["checked"] - load["computed"] < chunk_tokens  # the check pool
+    assert tokens == outputs["blend"][2][0]
