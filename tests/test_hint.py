@@ -160,18 +160,24 @@ def test_an_entry_stored_without_a_hint_gets_it_on_first_use(default_model_dir, 
     """A store filled by a version before hints: the first prompt over its entries runs the
     full check on them as they are and adds each entry's hint in the background, its K/V
     untouched; the next prompt checks the pool.  ``ingest`` adds a missing hint at once."""
-    engine = Engine.load(make_tiny_model(tmp_path / "m", "llama", default_model_dir), store=f"disk:{tmp_path / 'kv'}")
+    model = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    engine = Engine.load(model, store=f"memory,disk:{tmp_path / 'kv'}")
     handles = engine.ingest(PASSAGES)
     before = _strip_hints(engine, handles)
+    engine.store.flush()
+    memory, disk = engine.store.tiers
+    memory.clear()  # read from disk: the tiered store promotes what it read into memory
 
     first = engine.generate(QUERY, handles, method="blend", max_new_tokens=1)
     s = first.stats
     assert s.checked_tokens == s.approximate_tokens + s.recomputed_tokens  # no hint: the full check
     engine.chunks.wait_learning()
+    engine.store.flush()
     for h in handles:
-        after = engine.store.get(h.key)
-        assert torch.equal(after.k, before[h.key].k) and torch.equal(after.v, before[h.key].v)
-        assert torch.equal(decode_hint(after.meta, h.num_tokens), decode_hint(before[h.key].meta, h.num_tokens))
+        for tier in (memory, disk):  # the promoted copy did not overwrite the one with the hint
+            after = tier.get(h.key)
+            assert torch.equal(after.k, before[h.key].k) and torch.equal(after.v, before[h.key].v)
+            assert torch.equal(decode_hint(after.meta, h.num_tokens), decode_hint(before[h.key].meta, h.num_tokens))
     second = engine.generate(QUERY, handles, method="blend", max_new_tokens=1)
     s = second.stats
     assert 0 < s.checked_tokens < s.approximate_tokens + s.recomputed_tokens  # the check pool

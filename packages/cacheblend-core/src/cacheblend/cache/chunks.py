@@ -13,12 +13,12 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from ..blend.exposure import within_guard
 from ..blend.fusor import FusionReport, KVCache, Segment, fused_prefill
+from ..blend.guard import guarded_prefill
 from ..blend.hint import HINT_FIELD, encode_hint
 from ..config import BlendConfig
 from ..errors import CacheBlendError, UnknownChunkError
@@ -48,6 +48,7 @@ class LookupCounter:
     precompute_s: float = 0.0
     bypass_store: bool = False
     deferred: list[ChunkHandle] = field(default_factory=list)  # computed in place now, stored later
+    unhinted: list[tuple[str, list[int]]] = field(default_factory=list)  # entries served without a hint
 
     @property
     def rejected(self) -> int:
@@ -156,6 +157,7 @@ class ChunkCache:
         counter = LookupCounter()
         with self.lock:
             self.chunk_source(handle, counter)
+        self.add_hints_later(counter)
         self._hinting.wait(self._entry(handle)[0])
         return counter.misses > 0
 
@@ -208,16 +210,23 @@ class ChunkCache:
             def compute(ids: Sequence[int]) -> ChunkKV:
                 kv = self.precompute(ids)
                 return ChunkKV(kv.k, kv.v, kv.meta | {"origin": LEARNED})
-        source = self._hint_missing(key, ids, self._lookup(key, ids, compute, counter))
+        source = self._hint_missing(key, ids, self._lookup(key, ids, compute, counter), counter)
         return source if len(ids) == handle.num_tokens else PrefixView(source, handle.num_tokens)
 
-    def _hint_missing(self, key: str, ids: list[int], source: LayerSource) -> LayerSource:
-        """``source``, served as it is; if it was stored without a deviation hint (by a version
-        before hints) the hint is added to the stored entry in the background (:func:`add_hint`):
-        this prompt runs the full check, later ones the check pool."""
+    def _hint_missing(self, key: str, ids: list[int], source: LayerSource, counter: LookupCounter) -> LayerSource:
+        """``source``, served as it is (the prompt runs the full check), noted in ``counter``
+        if it was stored without a deviation hint (by a version before hints)."""
         if HINT_FIELD not in source.meta:
-            self._hinting.submit(key, lambda: add_hint(self.store, key, ids, self.hinted_meta))
+            counter.unhinted.append((key, ids))
         return source
+
+    def add_hints_later(self, counter: LookupCounter) -> None:
+        """Add their hint to the entries ``counter`` served without one (:func:`add_hint`), on
+        the background thread: called once the prefill that read them is done, so the work
+        neither delays it nor races a tier's promotion of the entry it read."""
+        for key, ids in counter.unhinted:
+            self._hinting.submit(key, functools.partial(add_hint, self.store, key, ids, self.hinted_meta))
+        counter.unhinted = []
 
     def _entry(self, handle: ChunkHandle) -> tuple[str, list[int]]:
         """The key and token ids of the entry that serves ``handle`` (itself, or itself
@@ -235,7 +244,7 @@ class ChunkCache:
         source = self._stored(key, len(ids), counter)
         if source is None:
             return None
-        source = self._hint_missing(key, ids, source)
+        source = self._hint_missing(key, ids, source, counter)
         return source if len(ids) == handle.num_tokens else PrefixView(source, handle.num_tokens)
 
     # -- learning off the critical path ---------------------------------------------------
@@ -362,7 +371,8 @@ class ChunkCache:
                 counter.bypass_store = attempt == ATTEMPTS - 1
                 segments, blend = lookup(counter)
                 try:
-                    report = self._guarded(segments, kv, blend, deadline)
+                    report = guarded_prefill(self.decoder, segments, kv, blend, prefetch=self.prefetch,
+                                             deadline=deadline)
                 except CorruptEntry:
                     counter.corrupt += 1
                     if counter.bypass_store:
@@ -373,28 +383,5 @@ class ChunkCache:
                 break
             # Damage found at open is a miss to the lookup but was counted by its tier.
             counter.corrupt = max(counter.corrupt, tier_total(self.store, "corrupt") - dropped)
-        return report
-
-    def _guarded(self, segments: list[Segment], kv: KVCache, blend: BlendConfig,
-                 deadline: float | None) -> FusionReport:
-        """The fused prefill; with the quality guard on (``blend.max_risk`` or
-        ``blend.max_exposure``), a result the guard does not trust
-        (:func:`~cacheblend.blend.exposure.within_guard`) is prefilled again at each larger
-        ratio of ``blend.guard_ladder`` until it is trusted (the last rung, 1.0, is exact).
-        Its time counts in the request's TTFT: the guard trades speed on the risky few for
-        fidelity."""
-        report = fused_prefill(self.decoder, segments, kv, blend, prefetch=self.prefetch, deadline=deadline)
-        if (blend.max_risk is None and blend.max_exposure is None) or blend.recompute_ratio == 0.0:
-            return report
-        spent = report.compute_s + report.load_s
-        for ratio in blend.guard_ladder:
-            if within_guard(report, blend):
-                break
-            if ratio <= blend.recompute_ratio:
-                continue
-            report = fused_prefill(self.decoder, segments, kv, replace(blend, recompute_ratio=ratio),
-                                   prefetch=self.prefetch, deadline=deadline)
-            report.escalated = True
-            spent += report.compute_s + report.load_s
-        report.compute_s = spent - report.load_s
+        self.add_hints_later(counter)
         return report
