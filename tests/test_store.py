@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from cacheblend import Engine
-from cacheblend.store import ChunkKV, DiskStore, MemoryStore, TieredStore, open_store, parse_size
+from cacheblend.store import ChunkKV, CorruptEntry, DiskStore, MemoryStore, TieredStore, open_store, parse_size
 from conftest import PASSAGES, QUERY
 
 KEY_A, KEY_B = "ab" + "0" * 62, "cd" + "1" * 62
@@ -136,6 +136,35 @@ def test_tiered_promotes_hits(tmp_path):
     store = TieredStore([mem, disk])
     assert store.get(KEY_A) is not None
     assert mem.get(KEY_A) is not None and store.stats_counts.hits == [0, 1]
+
+
+def test_a_layer_wise_read_promotes_the_whole_entry_once_and_never_a_damaged_one(tmp_path):
+    """Read layer by layer from disk (as the fused prefill does), the entry reaches memory
+    whole and equal once its last layer is read: each layer is copied once, into the buffer
+    that becomes the memory tier's entry, and the layers served are views of it.  A layer
+    that fails its digest on the way stops the read; nothing is promoted."""
+    mem, disk = MemoryStore(), DiskStore(tmp_path)
+    kv = _kv(layers=4, tokens=7)
+    disk.put(KEY_A, kv)
+    store = TieredStore([mem, disk], background=False)
+    source = store.open(KEY_A)
+    served = [source.layer(i) for i in range(kv.num_layers)]
+    promoted = mem.get(KEY_A)
+    assert promoted is not None and torch.equal(promoted.k, kv.k) and torch.equal(promoted.v, kv.v)
+    for i, (k, v) in enumerate(served):
+        assert torch.equal(k, kv.k[i]) and k.data_ptr() == promoted.k[i].data_ptr()
+        assert torch.equal(v, kv.v[i]) and v.data_ptr() == promoted.v[i].data_ptr()
+
+    mem.clear()
+    path = disk.path(KEY_A)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x55  # the last layer's bytes
+    path.write_bytes(bytes(data))
+    source = store.open(KEY_A)
+    with pytest.raises(CorruptEntry):
+        for i in range(kv.num_layers):
+            source.layer(i)
+    assert mem.get(KEY_A) is None and disk.get(KEY_A) is None
 
 
 def test_store_specs(tmp_path):

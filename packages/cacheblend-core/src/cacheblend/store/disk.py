@@ -28,6 +28,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 from safetensors.torch import save as st_save
+from torch import Tensor
 
 from ..cache.keys import is_entry_key
 from .disk_index import DiskIndex, IndexUnwritable, Row
@@ -76,12 +77,17 @@ class DiskSource:
         self._shape: tuple[int, ...] | None = None
 
     def layer(self, index: int):
+        return self.layer_into(index)
+
+    def layer_into(self, index: int, k_out: Tensor | None = None, v_out: Tensor | None = None):
+        """Layer ``index``, copied into ``k_out``/``v_out`` when given (the whole-entry buffer
+        a tiered store promotes: one copy instead of two), checked after the copy."""
         try:
             # Copies, not views: safetensors maps the file, so a view would change under
             # us if the file is overwritten in place after the digest check; what is
             # checked must be exactly what is served.
-            k = self._file.get_tensor(f"k.{index}").clone()
-            v = self._file.get_tensor(f"v.{index}").clone()
+            k, v = (_copy(self._file.get_tensor(f"{part}.{index}"), out)
+                    for part, out in (("k", k_out), ("v", v_out)))
         except Exception as e:
             self._store.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} unreadable: {e}") from e
@@ -91,6 +97,17 @@ class DiskSource:
             self._store.condemn(self.key)
             raise CorruptEntry(f"{self.key}: layer {index} fails its checksum or shape")
         return k, v
+
+
+def _copy(stored: Tensor, out: Tensor | None) -> Tensor:
+    """``stored`` copied, into ``out`` if given; an ``out`` of another shape or dtype is an
+    entry that does not match its own first layer: damaged."""
+    if out is None:
+        return stored.clone()
+    if out.shape != stored.shape or out.dtype != stored.dtype:
+        raise ValueError(f"layer of shape {tuple(stored.shape)} {stored.dtype}, the entry's others "
+                         f"{tuple(out.shape)} {out.dtype}")
+    return out.copy_(stored)
 
 
 class DiskStore:
