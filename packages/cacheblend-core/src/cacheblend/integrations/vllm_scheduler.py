@@ -1,0 +1,199 @@
+"""The connector's scheduler side (vLLM's EngineCore process): which prompts hold known
+chunks, what each step's workers must blend, save or release, and the fidelity receipt
+sent back with each answer.
+
+It never raises over a request: a request whose hints are invalid, or whose chunks cannot
+be found, runs as plain vLLM with the reason in the log.  What it decides reaches the
+worker side (:mod:`.vllm_worker`) as :class:`.vllm_meta.CacheBlendMeta`, once per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from ..config import ConnectorConfig
+from ..errors import CacheBlendError
+from ..prompt import PromptBuilder
+from ..store.spec import split_spec
+from .kv_params import KVParams, fit_spans, parse_kv_params
+from .registry import ChunkMatcher
+from .vllm_meta import BlendLoad, CacheBlendMeta, ChunkSave, LayoutReport, request_params
+
+log = logging.getLogger("vllm.cacheblend")  # under "vllm", so vLLM's log handler shows it
+
+
+class SchedulerSide:
+    """Per-request state of the scheduler side, keyed by vLLM's request id."""
+
+    def __init__(self, config: ConnectorConfig, *, model_dir: str, block_size: int, num_layers: int,
+                 chunk_sink: str, connector: str) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.min_tokens = config.min_tokens if config.min_tokens is not None else 2 * block_size
+        self.num_layers = num_layers
+        self.chunk_sink = chunk_sink  # every answer's marker names it (a RemoteEngine adopts it)
+        self.connector = connector  # the class name clients look for in the marker
+        self._matcher: ChunkMatcher | None = None
+        self._spans: dict[str, list[tuple[int, int]]] = {}  # req_id -> matched spans (a pure cache)
+        self._pending: dict[str, BlendLoad] = {}
+        self._ops: dict[str, tuple[str, Any]] = {}  # req_id -> ("ingest", sink) | ("release", ids)
+        self._prefilling: dict[str, ChunkSave] = {}  # ingest requests vLLM prefills over several steps
+        self._hints: dict[str, KVParams | None] = {}  # req_id -> its checked hints (None: invalid)
+        self._receipts: dict[str, dict] = {}  # req_id -> fidelity receipt from the worker
+        self._awaiting: dict[str, dict] = {}  # req_id -> marker returned before its receipt came
+        self.blending_off: str | None = None  # why, when a worker's layout self-check failed
+
+    def _get_matcher(self) -> ChunkMatcher:
+        if self._matcher is None:
+            prompts = PromptBuilder(AutoTokenizer.from_pretrained(self.model_dir))
+            store = self.config.store
+            namespace = split_spec(store)[1].namespace if store else None  # a tenant's own registry
+            self._matcher = ChunkMatcher(prompts.encode, prompts.chunk_separator, self.config.passages, namespace)
+        self._matcher.refresh()
+        return self._matcher
+
+    def match(self, request: Any) -> list[tuple[int, int]]:
+        """The request's chunk spans: the client's (``"chunks"``), else those of registered
+        passages found in its ids; none for an operation or ``method="full"``."""
+        spans = self._spans.get(request.request_id)
+        if spans is None:
+            ids = list(request.prompt_token_ids or [])
+            hints = self.params(request)
+            spans = []
+            if hints is not None and hints.blends:
+                if hints.chunks is not None:
+                    try:
+                        spans = fit_spans(hints.chunks, len(ids))
+                    except CacheBlendError as e:
+                        log.warning("CacheBlend: running %s as plain vLLM: %s", request.request_id, e)
+                elif len(ids) >= self.min_tokens:
+                    spans = self._get_matcher().find(ids, end_limit=len(ids) - 1)
+            self._spans[request.request_id] = spans
+        return spans
+
+    def params(self, request: Any) -> KVParams | None:
+        """The request's hints over the server's defaults, checked once; None (the request
+        then runs as plain vLLM, the reason logged) if any is invalid: the scheduler must
+        never fail a request over its hints."""
+        req_id = request.request_id
+        if req_id not in self._hints:
+            try:
+                self._hints[req_id] = parse_kv_params(getattr(request, "kv_transfer_params", None),
+                                                      base=self.config.defaults, num_layers=self.num_layers)
+            except Exception as e:  # noqa: BLE001 - CacheBlendError, or anything else: never fatal here
+                log.warning("CacheBlend: running %s as plain vLLM: %s", req_id, e)
+                self._hints[req_id] = None
+        return self._hints[req_id]
+
+    def take_layout_reports(self, metadata: dict[int, Any]) -> None:
+        """The workers' layout self-checks, before the first request: one failure turns
+        blending off for this server (requests run as plain vLLM)."""
+        failed = [m for m in metadata.values() if isinstance(m, LayoutReport) and not m.ok]
+        if failed:
+            self.blending_off = f"{failed[0].backend}: {failed[0].reason}"
+            log.warning("CacheBlend: blending is OFF, every request runs as plain vLLM (KV layout self-check "
+                        "failed on %s)", self.blending_off)
+
+    def loaded_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens the connector provides: all but the last of a prompt holding known chunks
+        (vLLM computes at least one token itself), none otherwise."""
+        n = len(request.prompt_token_ids or [])
+        if self.blending_off is not None or not self.match(request):
+            return 0
+        return max(0, n - 1 - num_computed_tokens)
+
+    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        """Note what the request's step must do: an operation, or a blend into its blocks."""
+        ids = list(request.prompt_token_ids or [])
+        hints = self.params(request)
+        if hints is not None and hints.op == "ingest" and hints.sink is not None and hints.sink < len(ids):
+            self._ops[request.request_id] = ("ingest", hints.sink)
+        elif hints is not None and hints.op == "release" and hints.ids is not None:
+            self._ops[request.request_id] = ("release", list(hints.ids))
+        elif hints is not None and hints.op == "ingest":
+            log.warning("CacheBlend: ingest request %s has a sink of %s ids in a %d-token prompt; not saved",
+                        request.request_id, hints.sink, len(ids))
+        if num_external_tokens <= 0:
+            return
+        assert hints is not None  # external tokens are reported only for valid hints
+        self._pending[request.request_id] = BlendLoad(request.request_id, ids, [], len(ids) - 1 - num_external_tokens,
+                                                      self.match(request), hints.blend)
+
+    def build_meta(self, scheduler_output: Any) -> CacheBlendMeta:
+        """Loads for this step's new requests, and for requests resumed after preemption
+        (their blocks were freed, so the connector reported and must write them again)."""
+        blocks = {req.req_id: req.block_ids[0] for req in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                blocks[req_id] = cached.new_block_ids[i][0]
+        meta = CacheBlendMeta()
+        for req_id, block_ids in blocks.items():
+            load = self._pending.pop(req_id, None)
+            if load is not None:
+                load.block_ids = list(block_ids)
+                meta.loads.append(load)
+        for new in scheduler_output.scheduled_new_reqs:
+            op = self._ops.pop(new.req_id, None)
+            if op is None:
+                continue
+            kind, arg = op
+            if kind == "release":
+                meta.releases.append(arg)
+                continue
+            save = ChunkSave(new.req_id, list(new.prompt_token_ids or []), list(new.block_ids[0]), arg)
+            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            if new.num_computed_tokens + scheduled >= len(save.token_ids):
+                meta.saves.append(save)
+            else:  # chunked prefill: saved after the step that computes its last token
+                self._prefilling[new.req_id] = save
+        self._continue_ingests(scheduler_output, meta)
+        return meta
+
+    def _continue_ingests(self, scheduler_output: Any, meta: CacheBlendMeta) -> None:
+        """Follow ingest requests prefilled over several steps (a chunk longer than
+        ``max_num_batched_tokens``): collect their blocks, and save once the last step runs."""
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            save = self._prefilling.get(req_id)
+            if save is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted: its blocks were replaced
+                save.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+            elif new_blocks is not None:
+                save.block_ids += list(new_blocks[0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if done >= len(save.token_ids):
+                meta.saves.append(self._prefilling.pop(req_id))
+
+    def finished(self, request: Any) -> dict | None:
+        """Forget the request; one that came with ``kv_transfer_params`` gets
+        ``{"cacheblend": {...}}`` back in its response, so a client knows the connector ran."""
+        spans = self._spans.pop(request.request_id, None) or []
+        self._pending.pop(request.request_id, None)
+        self._ops.pop(request.request_id, None)
+        self._prefilling.pop(request.request_id, None)
+        self._hints.pop(request.request_id, None)
+        receipt = self._receipts.pop(request.request_id, None)
+        if not request_params(request):
+            return None
+        marker = {"connector": self.connector, "chunk_sink": self.chunk_sink, "chunks": len(spans),
+                  "fidelity": receipt}
+        if receipt is None and spans:  # blended in this very step: vLLM reads the receipt after this
+            self._awaiting[request.request_id] = marker
+        return {"cacheblend": marker}
+
+    def take_receipts(self, receipts: dict[str, dict]) -> None:
+        """The workers' fidelity receipts of this step, kept until their requests finish.
+        vLLM finishes a one-token request before it hands the connector that step's output,
+        so a marker already returned is completed in place (it is sent after this call)."""
+        for req_id, receipt in receipts.items():
+            if req_id in self._awaiting:
+                self._awaiting.pop(req_id)["fidelity"] = receipt
+            else:
+                self._receipts[req_id] = receipt
+        self._awaiting.clear()  # a receipt comes in the step that blended it, or never
