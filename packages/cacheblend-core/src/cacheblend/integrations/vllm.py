@@ -44,7 +44,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..config import ConnectorConfig, chunk_sink_for
-from ..engine import Engine
 from .paged import paged_views
 from .registry import REDIS_PASSAGES_KEY, ChunkMatcher, read_passages, register_passages
 from .vllm_meta import BlendReceipts, CacheBlendMeta, LayoutReport
@@ -97,10 +96,6 @@ class CacheBlendConnector(KVConnectorBase_V1):
         self.scheduler.take_receipts(getattr(meta, "receipts", {}))
 
     # ---- worker side ---------------------------------------------------------------
-    def engine(self) -> Engine:
-        """The worker's core engine (loaded on first use)."""
-        return self.worker.engine()
-
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 

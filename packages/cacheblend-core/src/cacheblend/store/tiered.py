@@ -48,14 +48,14 @@ class _PromotingSource:
         self._store, self.key, self._source, self._faster = store, key, source, faster
         self.num_layers, self.num_tokens, self.meta = source.num_layers, source.num_tokens, source.meta
         self.tier = getattr(source, "tier", "store")
+        self._into = getattr(source, "layer_into", None)  # copies into a given buffer (the disk tier)
         self._read: set[int] = set()
         self._k: Tensor | None = None
         self._v: Tensor | None = None
 
     def layer(self, index: int) -> tuple[Tensor, Tensor]:
-        into = getattr(self._source, "layer_into", None)
-        if self._k is not None and self._v is not None and into is not None:
-            k, v = into(index, self._k[index], self._v[index])
+        if self._k is not None and self._v is not None and self._into is not None:
+            k, v = self._into(index, self._k[index], self._v[index])
         else:
             k, v = self._source.layer(index)
             if self._k is None or self._v is None:
