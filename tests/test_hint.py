@@ -186,3 +186,38 @@ def test_an_entry_stored_without_a_hint_gets_it_on_first_use(default_model_dir, 
     engine.ingest(PASSAGES[:1])  # no waiting: ingest returns with the hint stored
     assert torch.equal(decode_hint(engine.store.get(handles[0].key).meta, handles[0].num_tokens),
                        decode_hint(before[handles[0].key].meta, handles[0].num_tokens))
+
+
+def test_an_entry_the_store_did_not_take_is_tried_again_after_the_retry_interval():
+    """A hint the store refused (read-only) is not retried on every prompt, but is tried
+    again once the retry interval has passed, so a store that becomes writable gets it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cacheblend.cache.background import KeyedJobs
+
+    now = [0.0]
+    runs: list[str] = []
+    writable = [False]
+
+    def job() -> bool:
+        runs.append("try")
+        return writable[0]
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        jobs = KeyedJobs(pool, "hint backfill", retry_after=600.0, clock=lambda: now[0])
+        for _ in range(3):  # three prompts within the interval: one attempt
+            jobs.submit("k", job)
+            jobs.wait()
+        assert runs == ["try"]
+        now[0] = 599.0
+        jobs.submit("k", job)
+        jobs.wait()
+        assert runs == ["try"]
+        writable[0], now[0] = True, 601.0
+        jobs.submit("k", job)
+        jobs.wait()
+        assert runs == ["try", "try"]
+        now[0] = 10_000.0  # it succeeded: nothing is remembered against the key
+        jobs.submit("k", job)
+        jobs.wait()
+        assert runs == ["try", "try", "try"]

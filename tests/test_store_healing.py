@@ -130,7 +130,8 @@ def test_a_read_only_store_directory_serves_read_only(model, reference, tmp_path
 
 def test_a_read_only_store_without_hints_is_served_and_the_hint_tried_once(model, tmp_path):
     """Entries stored before deviation hints, in a store that cannot be written: every prompt
-    is served (with the full check) and each entry's hint is attempted once, not per prompt."""
+    is served (with the full check) and each entry's hint is attempted once per retry
+    interval (ten minutes), not per prompt."""
     from cacheblend.blend.hint import HINT_FIELD
 
     root = tmp_path / "kv"

@@ -11,32 +11,46 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 log = logging.getLogger("cacheblend")
 
-__all__ = ["KeyedJobs"]
+__all__ = ["KeyedJobs", "RETRY_AFTER_S"]
+
+RETRY_AFTER_S = 600.0
+"""How long a key whose job could not improve its entry waits before it is tried again: a
+store mounted read-only at start may be writable an hour later, but trying on every lookup
+would cost each prompt a job."""
 
 
 class KeyedJobs:
     """Background jobs keyed by chunk, at most one pending per key.
 
-    With ``once``, a key whose job returned False (the entry could not be improved: a
-    read-only store, a chunk too long for the hint's filler) is not tried again in this
-    process, so a store that cannot take the result does not cost every lookup a job."""
+    With ``retry_after`` (seconds), a key whose job returned False (the entry could not be
+    improved: a read-only store, a chunk too long for the hint's filler) is not tried again
+    until that long has passed, so a store that cannot take the result does not cost every
+    lookup a job, and one that becomes writable later still gets it."""
 
-    def __init__(self, executor: Executor, name: str, once: bool = False) -> None:
-        self._executor, self.name, self.once = executor, name, once
+    def __init__(self, executor: Executor, name: str, retry_after: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._executor, self.name, self.retry_after, self._clock = executor, name, retry_after, clock
         self._pending: dict[str, Future] = {}
-        self._failed: set[str] = set()
+        self._failed: dict[str, float] = {}  # key -> when its job last returned False
         self._lock = threading.Lock()
 
     def submit(self, key: str, job: Callable[[], object]) -> None:
-        """Run ``job`` on the background thread unless ``key`` has one pending (or failed)."""
+        """Run ``job`` on the background thread unless ``key`` has one pending or failed
+        less than ``retry_after`` seconds ago."""
         with self._lock:
-            if key in self._pending or key in self._failed:
+            if key in self._pending:
                 return
+            failed_at = self._failed.get(key)
+            if failed_at is not None and self.retry_after is not None:
+                if self._clock() - failed_at < self.retry_after:
+                    return
+                del self._failed[key]
             self._pending[key] = self._executor.submit(self._run, key, job)
 
     def _run(self, key: str, job: Callable[[], object]) -> object:
@@ -49,8 +63,8 @@ class KeyedJobs:
         finally:
             with self._lock:
                 self._pending.pop(key, None)
-                if self.once and ok is False:
-                    self._failed.add(key)
+                if self.retry_after is not None and ok is False:
+                    self._failed[key] = self._clock()
         return ok
 
     def wait(self, key: str | None = None) -> None:

@@ -27,7 +27,7 @@ from ..prompt import PromptBuilder, PromptIds
 from ..results import ChunkHandle
 from ..store import ChunkKV, CorruptEntry, LayerSource, Tier, tier_total
 from ..store.entry import PrefixView, ShapeChecked
-from .background import KeyedJobs
+from .background import RETRY_AFTER_S, KeyedJobs
 from .hint import FILLER, HINT_LAYER, add_hint, deviation_score
 from .keys import chunk_key, is_entry_key
 
@@ -93,7 +93,7 @@ class ChunkCache:
         self.lock = threading.Lock()  # the store and the controller are shared; decoding is not
         background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-learn")
         self._learning = KeyedJobs(background, "precompute")  # by handle key: chunks first seen in a prompt
-        self._hinting = KeyedJobs(background, "hint backfill", once=True)  # by entry key (background.py)
+        self._hinting = KeyedJobs(background, "hint backfill", RETRY_AFTER_S)  # by entry key (background.py)
 
     # -- identity ----------------------------------------------------------------------
     def handle(self, ids: Sequence[int]) -> ChunkHandle:
