@@ -15,6 +15,7 @@ fresh ones, attend exactly causally by absolute position, and run the MLP for th
 Exact-cached tokens (the system prefix) are never computed: their K/V are already what
 full prefill would produce.  With the question probe (``selection="probe"``) a full-reuse
 pass runs first and the recompute set comes from it (:mod:`cacheblend.blend.probe`).
+Where the segments sit is :mod:`.layout`; what the check layer keeps is :mod:`.check`.
 """
 
 from __future__ import annotations
@@ -28,14 +29,13 @@ from torch import Tensor
 
 from ..generate.decode import KVCache
 from ..models.decoder import Decoder
-from ..store.entry import LayerSource
 from .attention import AttentionPlans
+from .check import keep_at_check, pool_for_check, question_attention, shift_sample
 from .exposure import StaleExposure
-from .hint import check_pool
+from .layout import PromptLayout, Segment, layout_of
 from .loader import LayerLoader
 from .probe import QuestionProbe
-from .selection import BlendConfig, Candidates, choose, kv_deviation, query_attention
-from .shift import ChunkShift, evenly_spaced
+from .selection import BlendConfig, Candidates, choose
 
 __all__ = ["Attend", "Capture", "FusionReport", "KVCache", "Segment", "check_deadline", "first_token_risk",
            "fused_prefill"]
@@ -45,25 +45,6 @@ Capture = Callable[[int, Tensor, Tensor, Tensor], None]
 # attend(layer, positions, queries, keys): the rotated queries [H, a, hd] of the tokens
 # computed at a layer and every key [KVH, n, hd] they attend to (``engine.explain``).
 Attend = Callable[[int, Tensor, Tensor, Tensor], None]
-
-
-@dataclass
-class Segment:
-    """A run of prompt tokens and, if reused, its position-free cache.
-
-    ``exact`` marks a cache that equals full prefill at this offset (a prefix computed at
-    position 0): it is reused as is and never a recompute candidate.
-    """
-
-    token_ids: Sequence[int]
-    cached: LayerSource | None = None
-    exact: bool = False
-
-    def __post_init__(self) -> None:
-        if self.cached is not None and self.cached.num_tokens != len(self.token_ids):
-            raise ValueError(
-                f"cache holds {self.cached.num_tokens} tokens, segment has {len(self.token_ids)}"
-            )
 
 
 @dataclass
@@ -88,55 +69,6 @@ class FusionReport:
     exact_cached_tokens: int = 0  # tokens read from exact caches (a prefix), never computed
 
 
-@dataclass
-class _Layout:
-    """Where each segment sits, and which tokens are reused approximately (candidates)."""
-
-    ids: Tensor
-    reused_spans: list[tuple[int, int, Segment]]
-    candidate: Tensor  # bool per position: reused, not exact: may be recomputed
-    uncached: Tensor  # bool per position: always computed (the question, gaps)
-    row_of: Tensor  # position -> row among the candidates (-1 elsewhere)
-    n_candidates: int
-    chunk_of: Tensor  # position -> index of its approximate chunk (-1 elsewhere)
-    offset: Tensor  # position -> offset within its segment
-    question: Tensor  # positions of the uncached tail after the last candidate (the question)
-
-
-def _layout(segments: Sequence[Segment], capacity: int, device: torch.device) -> _Layout:
-    ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=device)
-    n = ids.numel()
-    if n == 0:
-        raise ValueError("empty prompt")
-    if n > capacity:
-        raise ValueError(f"prompt of {n} tokens exceeds the KV cache capacity {capacity}")
-    spans: list[tuple[int, int, Segment]] = []
-    start = 0
-    candidate = torch.zeros(n, dtype=torch.bool, device=device)
-    uncached = torch.zeros(n, dtype=torch.bool, device=device)
-    chunk_of = torch.full((n,), -1, dtype=torch.long, device=device)
-    offset = torch.zeros(n, dtype=torch.long, device=device)
-    for seg in segments:
-        end = start + len(seg.token_ids)
-        spans.append((start, end, seg))
-        offset[start:end] = torch.arange(end - start, device=device)
-        if seg.cached is None:
-            uncached[start:end] = True
-        elif not seg.exact:
-            candidate[start:end] = True
-            chunk_of[start:end] = int(chunk_of.max()) + 1
-        start = end
-    if not uncached[-1]:
-        raise ValueError("the last prompt token must be computed (end the prompt with an uncached segment)")
-    n_candidates = int(candidate.sum())
-    row_of = torch.full((n,), -1, dtype=torch.long, device=device)
-    row_of[candidate] = torch.arange(n_candidates, device=device)
-    last = int(torch.nonzero(candidate).max()) if n_candidates else -1
-    question = torch.nonzero(uncached & (torch.arange(n, device=device) > last)).squeeze(1)
-    return _Layout(ids, [(a, b, s) for a, b, s in spans if s.cached is not None], candidate, uncached, row_of,
-                   n_candidates, chunk_of, offset, question)
-
-
 def fused_prefill(
     dec: Decoder,
     segments: Sequence[Segment],
@@ -154,7 +86,7 @@ def fused_prefill(
     Past ``deadline`` (a ``time.perf_counter()`` value) the next layer raises ``TimeoutError``."""
     shape = dec.shape
     config.validate_for(shape.num_layers)
-    lay = _layout(segments, kv.capacity, kv.k.device)
+    lay = layout_of(segments, kv.capacity, kv.k.device)
     n, reused_spans = lay.ids.numel(), lay.reused_spans
     ratio = config.recompute_ratio if lay.n_candidates else 0.0
     t_start = time.perf_counter()
@@ -164,8 +96,8 @@ def fused_prefill(
     cos, sin = dec.rope_tables(torch.arange(n, device=kv.k.device))
     chosen = probed.chosen if probed is not None else None
     direct = chosen is not None
-    sample, shift = _shift_sample(config, ratio, direct, lay, reused_spans, shape.num_layers)
-    pool = None if chosen is not None else _check_pool(config, ratio, lay, reused_spans, sample)
+    sample, shift = shift_sample(config, ratio, direct, lay, reused_spans, shape.num_layers)
+    pool = None if chosen is not None else pool_for_check(config, ratio, lay, reused_spans, sample)
     if chosen is not None:  # the probe's tokens: recomputed from layer 0 on, no check layer
         active = torch.nonzero(lay.uncached | chosen).squeeze(1)
     else:
@@ -205,9 +137,9 @@ def fused_prefill(
             if layer in checks and 0.0 < ratio < 1.0 and not direct:
                 approx_kv = [c for (_, _, s), c in zip(reused_spans, cached, strict=True) if not s.exact]
                 q_att = probed.score if probed is not None else \
-                    _question_attention(dec, layer, x, active, lay, kv.k[layer, :, :n], cos, sin) \
+                    question_attention(dec, layer, x, active, lay, kv.k[layer, :, :n], cos, sin) \
                     if config.uses_attention else None
-                keep = _check(config, checks[layer], active, lay, approx_kv, k, v, q_att, sample)
+                keep = keep_at_check(config, checks[layer], active, lay, approx_kv, k, v, q_att, sample)
                 if keep is not None:  # HKVD tokens (and uncached ones) go on; the rest keep fresh K/V here
                     active, h, x = active[keep], h[keep], x[keep]
                     plans = AttentionPlans(active, shape.dtype, shape.groups, dec.prefill_attention)
@@ -247,7 +179,7 @@ class _Probed:
     report: FusionReport  # the probe pass's own (full reuse)
 
 
-def _probe(dec: Decoder, segments: Sequence[Segment], kv: KVCache, config: BlendConfig, lay: _Layout,
+def _probe(dec: Decoder, segments: Sequence[Segment], kv: KVCache, config: BlendConfig, lay: PromptLayout,
            prefetch: bool, deadline: float | None) -> _Probed:
     """Full reuse with the question probe listening (:mod:`cacheblend.blend.probe`).  Leaves every
     re-positioned reused K/V in ``kv`` and picks the tokens to recompute, or, when the probe
@@ -267,7 +199,7 @@ def _probe(dec: Decoder, segments: Sequence[Segment], kv: KVCache, config: Blend
     return _Probed(score, chosen, report)
 
 
-def _report(lay: _Layout, active: Tensor, logits: Tensor, loader: LayerLoader, active_per_layer: list[int],
+def _report(lay: PromptLayout, active: Tensor, logits: Tensor, loader: LayerLoader, active_per_layer: list[int],
             compute_s: float, meter: StaleExposure | None) -> FusionReport:
     """What the fused prefill did, with its fidelity receipt: exact when no approximately
     reused token stayed stale, else the risk of the first token and its exposure."""
@@ -297,31 +229,6 @@ def _reposition(dec: Decoder, kv: KVCache, layer: int, spans: list[tuple[int, in
                    deltas if deltas is not None else [None] * len(spans), cos, sin)
 
 
-def _shift_sample(config: BlendConfig, ratio: float, direct: bool, lay: _Layout,
-                  spans: list[tuple[int, int, Segment]], num_layers: int) -> tuple[Tensor | None, ChunkShift | None]:
-    """The evenly spaced tokens recomputed to estimate each chunk's shift
-    (:mod:`cacheblend.blend.shift`), or (None, None) without a check layer to keep them at."""
-    if config.shift_share <= 0.0 or not 0.0 < ratio < 1.0 or direct:
-        return None, None
-    approx = [None if s.exact else (a, b) for a, b, s in spans]
-    sample = evenly_spaced([x for x in approx if x is not None], min(config.shift_share, ratio),
-                           lay.ids.numel(), lay.ids.device)
-    return sample, ChunkShift(approx, sample, config.shift_parts, round(config.shift_values_from * num_layers),
-                              [s.cached for _, _, s in spans])
-
-
-def _check_pool(config: BlendConfig, ratio: float, lay: _Layout, spans: list[tuple[int, int, Segment]],
-                sample: Tensor | None) -> Tensor | None:
-    """The candidates computed up to the check layer when ``check_pool`` < 1: the top share of
-    all chunk tokens by their stored deviation hints, and the shift sample (:mod:`cacheblend.blend.hint`).
-    None: every candidate (a pool no larger than the budget, a probe, or a chunk without a hint)."""
-    if not ratio < config.check_pool < 1.0 or config.selection != "deviation":
-        return None
-    approx = [(a, b, s.cached.meta) for a, b, s in spans if not s.exact]  # type: ignore[union-attr]
-    pool = check_pool(approx, config.check_pool, lay.ids.numel(), lay.ids.device)
-    return pool if pool is None or sample is None else pool | sample
-
-
 def first_token_risk(logits: Tensor) -> float:
     """How likely the greedy first token differs from full prefill's: one minus the margin
     between the two most probable tokens.  Measured on dev, blended answers part from full
@@ -347,44 +254,3 @@ def _write(kv: KVCache, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> 
         kv.v[layer][:, positions] = v
 
 
-def _question_attention(dec: Decoder, layer: int, x: Tensor, active: Tensor, lay: _Layout, keys: Tensor,
-                        cos: Tensor, sin: Tensor) -> Tensor:
-    """The question's attention [n] over every position at this layer (keys of all positions
-    are fresh here: every token was computed up to the check layer)."""
-    rows = torch.searchsorted(active, lay.question)
-    if rows.numel() == 0:
-        return torch.zeros(keys.shape[1], device=keys.device)
-    q = dec.rope(dec.queries(layer, x[rows]), cos[lay.question], sin[lay.question])
-    return query_attention(q, lay.question, keys, dec.scaling)
-
-
-def _check(
-    config: BlendConfig,
-    check_index: int,
-    active: Tensor,
-    lay: _Layout,
-    approx_kv: list[tuple[Tensor, Tensor]],
-    k: Tensor,
-    v: Tensor,
-    attention: Tensor | None,
-    sample: Tensor | None = None,
-) -> Tensor | None:
-    """At a check layer, keep the chosen candidates; return indices into ``active`` to keep
-    (None: keep all).  The shift ``sample`` is always kept, out of the budget."""
-    is_cand = lay.candidate[active]
-    keep_n = round(config.keep_ratio(check_index) * lay.n_candidates)
-    if sample is not None:
-        in_sample = sample[active]
-        keep_n -= int(in_sample.sum())
-        is_cand = is_cand & ~in_sample
-    cand_idx = torch.nonzero(is_cand).squeeze(1)
-    if keep_n >= cand_idx.numel():
-        return None
-    pos = active[cand_idx]
-    rows = lay.row_of[pos]
-    cached_k = torch.cat([ck for ck, _ in approx_kv], dim=1)[:, rows]
-    cached_v = torch.cat([cv for _, cv in approx_kv], dim=1)[:, rows]
-    dev = kv_deviation(k[:, cand_idx], v[:, cand_idx], cached_k, cached_v, config.deviation)
-    att = None if attention is None else attention[pos]
-    chosen = cand_idx[choose(config, Candidates(dev, att, lay.chunk_of[pos], lay.offset[pos]), keep_n)]
-    return torch.cat([torch.nonzero(~is_cand).squeeze(1), chosen]).sort().values
