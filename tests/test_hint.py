@@ -188,6 +188,28 @@ def test_an_entry_stored_without_a_hint_gets_it_on_first_use(default_model_dir, 
                        decode_hint(before[handles[0].key].meta, handles[0].num_tokens))
 
 
+def test_a_chunk_released_while_its_hint_is_computed_stays_released(default_model_dir, tmp_path):
+    """The hint backfill reads an entry, computes its hint and writes it back; a release
+    that landed in between was undone by the write."""
+    import time
+
+    model = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    engine = Engine.load(model, store="memory")
+    handles = engine.ingest(PASSAGES)
+    _strip_hints(engine, handles)
+    slow = engine.chunks.hinted_meta
+
+    def hinted_meta_slowly(ids, values):
+        time.sleep(0.5)  # the release lands here
+        return slow(ids, values)
+
+    engine.chunks.hinted_meta = hinted_meta_slowly
+    engine.generate(QUERY, handles, method="blend", max_new_tokens=1)  # queues the backfills
+    assert engine.release(handles) == len(handles)
+    engine.chunks.wait_learning()
+    assert all(engine.store.get(h.key) is None for h in handles)
+
+
 def test_an_entry_the_store_did_not_take_is_tried_again_after_the_retry_interval():
     """A hint the store refused (read-only) is not retried on every prompt, but is tried
     again once the retry interval has passed, so a store that becomes writable gets it."""

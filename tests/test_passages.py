@@ -164,3 +164,46 @@ def test_a_passage_text_is_tokenized_once_while_it_recurs(engine, monkeypatch):
     assert first == engine.chunks.handle(encode(text))
     with pytest.raises(CacheBlendError, match="non-empty string"):
         engine.chunks.resolve("  ")
+
+
+def test_the_index_can_be_searched_while_another_thread_adds_and_forgets():
+    """The adapters' async paths plan requests on worker threads while others ingest: a
+    scan iterating a set that another thread changed raised ``RuntimeError: Set changed
+    size during iteration``."""
+    import sys
+    import threading
+
+    index = PassageIndex()
+    for i in range(200):
+        index.add(f"short {i}")
+    text = " ".join(f"short {i}" for i in range(50)) * 20
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def search() -> None:
+        for _ in range(200):
+            try:
+                index.find(text)
+            except RuntimeError as e:
+                errors.append(e)
+                break
+        stop.set()
+
+    def churn() -> None:
+        i = 1000
+        while not stop.is_set():
+            index.add(f"short {i}")
+            index.discard(f"short {i - 1}")
+            i += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=search), threading.Thread(target=churn)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors

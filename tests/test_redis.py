@@ -74,6 +74,50 @@ def test_damaged_entries_are_dropped(tier, damage):
     assert client.get(tier.entry_name(KEY, "meta")) is None  # dropped
 
 
+def test_an_entry_naming_a_digest_unknown_here_is_dropped_not_raised(tier):
+    """A Redis shared with another version may hold entries checked by a digest this one
+    does not know: the lookup used to raise CorruptEntry out of the request."""
+    tier.put(KEY, _kv())
+    client = redis.Redis.from_url(tier.url)
+    meta = json.loads(client.get(tier.entry_name(KEY, "meta")))
+    meta["digest"] = "blake4"
+    client.set(tier.entry_name(KEY, "meta"), json.dumps(meta))
+    store = TieredStore([MemoryStore(), tier], background=False)
+    assert store.open(KEY) is None and tier.corrupt == 1
+
+
+def test_a_server_that_is_not_redis_is_unreachable_not_an_error():
+    """A URL that points at another service (here one that answers HTTP): redis-py raises
+    InvalidResponse, which used to escape the tier."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def answer():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+                except OSError:
+                    pass
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        tier = RedisStore(f"redis://127.0.0.1:{server.getsockname()[1]}/0", backoff_s=60)
+        assert tier.open(KEY) is None and tier.unreachable == 1
+        assert tier.put(KEY, _kv()) is False and not tier.available
+    finally:
+        server.close()
+
+
 def test_unreachable_server_is_a_quick_miss():
     tier = RedisStore("redis://127.0.0.1:1/0", timeout_s=0.2, backoff_s=60)
     t = time.perf_counter()

@@ -130,12 +130,65 @@ def test_memory_lru_respects_capacity():
     assert store.get(f"{4:064x}") is not None and store.get(f"{0:064x}") is None
 
 
+@pytest.mark.parametrize("k, v", [
+    (torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4, dtype=torch.float64)),  # mixed dtypes: nbytes lied
+    (torch.zeros(0, 1, 3, 4), torch.zeros(0, 1, 3, 4)),  # no layer: the disk tier stored it, then could not read it
+    (torch.zeros(2, 1, 0, 4), torch.zeros(2, 1, 0, 4)),  # no token
+])
+def test_entries_that_no_tier_could_serve_are_refused_when_made(k, v):
+    with pytest.raises(ValueError, match="ChunkKV needs"):
+        ChunkKV(k, v)
+
+
+def test_the_memory_tier_never_evicts_the_entry_it_is_storing():
+    """A learned entry that needs room used to be its own victim, once older entries had
+    been evicted for it, and ``put`` still said True."""
+    def entry(tokens, learned):
+        return ChunkKV(torch.zeros(1, 1, tokens, 1), torch.zeros(1, 1, tokens, 1),
+                       {"origin": "learned"} if learned else {})
+
+    store = MemoryStore(capacity_bytes=100 * 4 * 2)  # 100 tokens of float32 K and V
+    store.put(KEY_A, entry(30, learned=True))
+    store.put(KEY_B, entry(50, learned=False))
+    new = "ef" + "2" * 62
+    assert store.put(new, entry(60, learned=True))
+    assert new in store and len(store) == 1 and store.evictions == 2  # the other two made room
+    assert store.nbytes <= store.capacity_bytes
+
+
 def test_tiered_promotes_hits(tmp_path):
     mem, disk = MemoryStore(), DiskStore(tmp_path)
     disk.put(KEY_A, _kv())
     store = TieredStore([mem, disk])
     assert store.get(KEY_A) is not None
     assert mem.get(KEY_A) is not None and store.stats_counts.hits == [0, 1]
+
+
+def test_a_store_nobody_holds_is_collected_and_its_writer_ends(tmp_path):
+    """The background writer used to hold its store through a bound method: every tiered
+    store ever opened stayed alive with its thread and its memory tier's tensors."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    def writers() -> int:
+        return sum(t.name == "cacheblend-store-writer" for t in threading.enumerate())
+
+    before = writers()
+    store = TieredStore([MemoryStore(), DiskStore(tmp_path)])
+    store.put(KEY_A, _kv())
+    store.flush()
+    assert writers() == before + 1 and store.stats_counts.background_writes == 1
+    ref = weakref.ref(store)
+    del store
+    gc.collect()
+    assert ref() is None
+    deadline = time.monotonic() + 10
+    while writers() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writers() == before
+    assert DiskStore(tmp_path).get(KEY_A) is not None  # what it had queued was written
 
 
 def test_a_layer_wise_read_promotes_the_whole_entry_once_and_never_a_damaged_one(tmp_path):
@@ -165,6 +218,33 @@ def test_a_layer_wise_read_promotes_the_whole_entry_once_and_never_a_damaged_one
         for i in range(kv.num_layers):
             source.layer(i)
     assert mem.get(KEY_A) is None and disk.get(KEY_A) is None
+
+
+def test_a_second_pass_over_a_promoted_read_serves_the_checked_copy(tmp_path):
+    """The guard's ladder and the question probe read a prompt's sources twice.  The second
+    pass used to copy the disk's bytes into the entry memory already held, checking them
+    only afterwards, and put the whole entry into memory again for every layer: a file
+    damaged in between left the damage in memory, served as trusted."""
+    mem, disk = MemoryStore(), DiskStore(tmp_path)
+    kv = _kv(layers=4, tokens=7)
+    disk.put(KEY_A, kv)
+    puts = []
+    put = mem.put
+    mem.put = lambda key, entry: (puts.append(key), put(key, entry))[1]
+    store = TieredStore([mem, disk], background=False)
+    source = store.open(KEY_A)
+    for i in range(kv.num_layers):
+        source.layer(i)
+    path = disk.path(KEY_A)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x55  # damaged in place between the passes
+    path.write_bytes(bytes(data))
+    for i in range(kv.num_layers):
+        k, v = source.layer(i)
+        assert torch.equal(k, kv.k[i]) and torch.equal(v, kv.v[i])
+    assert puts == [KEY_A]
+    promoted = mem.get(KEY_A)
+    assert torch.equal(promoted.k, kv.k) and torch.equal(promoted.v, kv.v)
 
 
 def test_store_specs(tmp_path):
@@ -228,7 +308,7 @@ def test_entry_evicted_while_safetensors_opens_it_is_a_miss(tmp_path, monkeypatc
     """The eviction can also land inside safe_open, after its own existence check: then
     safetensors raises RuntimeError("unable to open file ... No such file or directory"),
     which was counted as corruption (seen in the two-process test under load)."""
-    import cacheblend.store.disk as disk
+    import cacheblend.store.disk_source as disk_source
 
     store = DiskStore(tmp_path)
     store.put(KEY_A, _kv())
@@ -239,7 +319,7 @@ def test_entry_evicted_while_safetensors_opens_it_is_a_miss(tmp_path, monkeypatc
         Path(path).unlink()  # another process evicts the entry right now
         raise RuntimeError(f"unable to open file <{path}> in read-only mode: No such file or directory (2)")
 
-    monkeypatch.setattr(disk, "safe_open", racing_open)
+    monkeypatch.setattr(disk_source, "safe_open", racing_open)
     assert store.open(KEY_A) is None
     assert store.corrupt == 0
 

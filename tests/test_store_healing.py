@@ -194,6 +194,76 @@ def test_a_full_disk_skips_writes_and_never_fails_a_request(model, reference, sm
     assert disk_only.store.stats()["write_errors"] >= 1 and "cannot be written" in caplog.text
 
 
+@pytest.fixture
+def world_dir():
+    """A folder every user can reach (pytest's tmp_path is private to its owner)."""
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="cacheblend-shared-"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_an_entry_folder_this_user_cannot_read_is_a_miss(world_dir):
+    """A store shared between users: an entry folder another user made without access for
+    this one made ``open`` (and opening the store) raise PermissionError."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to act as another user")
+    root = world_dir / "shared"
+    store = DiskStore(root)
+    store.put(KEY, _kv())
+    other = "cd" + KEY[2:]
+    store.index.close()
+    for path in [root, *root.iterdir()]:
+        os.chmod(path, 0o777 if path.is_dir() else 0o666)
+    os.chmod(root / KEY[:2], 0o700)  # root's own folder: no access for anyone else
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other user
+        try:
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            mine = DiskStore(root)
+            verdict = [mine.open(KEY) is None, mine.put(other, _kv(1)), mine.get(other) is not None]
+            os.write(write, json.dumps(verdict).encode())
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            os.write(write, json.dumps(repr(e)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        verdict = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert verdict == [True, True, True]
+    assert DiskStore(root).get(KEY) is not None  # the owner's entry is untouched, still indexed
+
+
+def test_a_rewrite_that_fails_keeps_the_entry_it_meant_to_replace_indexed(tmp_path, monkeypatch):
+    """The hint backfill rewrites stored entries.  When the rewrite failed (disk full), its
+    reservation's row was deleted while the older file stayed: served, but outside the
+    index, never counted against the capacity nor evicted."""
+    import errno
+
+    import cacheblend.store.disk as disk_module
+
+    store = DiskStore(tmp_path / "kv", capacity_bytes=10_000_000)
+    kv = _kv()
+    assert store.put(KEY, kv)
+    size = store.nbytes
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_module.os, "fsync", full)
+    assert not store.put(KEY, ChunkKV(kv.k, kv.v, {"hint": "x"}))
+    monkeypatch.undo()
+    assert len(store) == 1 and store.nbytes == size
+    assert store.get(KEY) is not None and store.write_errors == 1
+
+
 def test_killed_writers_temp_files_are_reclaimed_at_open(tmp_path):
     root = tmp_path / "kv"
     DiskStore(root)

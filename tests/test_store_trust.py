@@ -100,6 +100,20 @@ def test_the_key_comes_from_the_environment_and_is_never_shown(tmp_path, monkeyp
     assert "hunter2" not in json.dumps(open_store(f"disk:{tmp_path},key=hunter2").stats())
 
 
+def test_an_empty_key_is_refused_and_a_key_spelled_otherwise_is_still_the_key(tmp_path, monkeypatch):
+    """``key=`` from an unset template variable used to give an unsigned store silently, and
+    ``KEY=s`` or ``key =s`` became a tier name that the unknown-tier error printed."""
+    monkeypatch.delenv("CACHEBLEND_STORE_KEY", raising=False)
+    with pytest.raises(ValueError, match="empty key="):
+        open_store(f"disk:{tmp_path},key=")
+    for spec in ("KEY=hunter2", "key =hunter2", " Key = hunter2"):
+        store = open_store(f"disk:{tmp_path},{spec}")
+        assert store.signer is not None
+    with pytest.raises(ValueError) as e:
+        open_store("KEY = hunter2")
+    assert "hunter2" not in str(e.value)
+
+
 # -- namespaces --------------------------------------------------------------------------
 def test_namespaces_isolate_entries_and_registries(tmp_path, redis_server):
     for spec in (f"disk:{tmp_path}", redis_server.url):

@@ -34,6 +34,7 @@ from .blend.hint import check_pool
 from .blend.selection import Candidates, choose, kv_deviation
 from .blend.shift import evenly_spaced
 from .cache.chunks import LookupCounter
+from .cache.segments import prompt_segments
 from .config import BlendConfig, RequestOptions
 from .datasets import token_f1
 from .errors import CacheBlendError
@@ -153,7 +154,7 @@ def explain(engine: Engine, query: str, chunks: Sequence[ChunkHandle | str], *, 
     # computed up to the check layer, as at any ratio below 1), not from a separate full
     # prefill: the two agree only up to rounding, and where the caches are almost exact (a
     # chunk right behind the frame it was precomputed behind) rounding decides the ranking.
-    segments = engine.chunks.segments(prompt, handles, "blend", LookupCounter())
+    segments = prompt_segments(engine.chunks, prompt, handles, "blend", LookupCounter())
     fresh = probe.run(segments, replace(blend, recompute_ratio=1.0), capture_layer=check)
     deviation = torch.zeros(len(tokens))
     cached = [engine.chunks.chunk_source(h, LookupCounter()) for h in handles]
@@ -243,7 +244,7 @@ class _Probe:
         maps = []
         for ratio in (0.0, blend.recompute_ratio):
             counter = LookupCounter()
-            segments = eng.chunks.segments(prompt, handles, "blend", counter)
+            segments = prompt_segments(eng.chunks, prompt, handles, "blend", counter)
             self.run(segments, BlendConfig(**{**blend.__dict__, "recompute_ratio": ratio}))
             m = own.clone()
             for pos, row in self.rows.items():

@@ -18,6 +18,7 @@ at any position.
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -41,7 +42,12 @@ class PassageIndex:
     Texts are indexed by their first ``anchor`` characters, so a scan costs one dict
     lookup per prompt position however many passages are known; shorter texts are
     searched for directly.  The oldest texts are forgotten past ``capacity`` (their
-    caches stay in the store and are still found by key when the text recurs)."""
+    caches stay in the store and are still found by key when the text recurs).
+
+    One index serves every request of an engine, and the adapters' async paths plan
+    requests on worker threads while others ingest, so every public method holds one lock:
+    a scan that iterated a bucket while another thread added to it raised
+    ``RuntimeError: Set changed size during iteration``."""
 
     def __init__(self, anchor: int = 48, capacity: int = 200_000) -> None:
         self.anchor = anchor
@@ -49,18 +55,22 @@ class PassageIndex:
         self._texts: OrderedDict[str, None] = OrderedDict()
         self._by_anchor: dict[str, set[str]] = {}
         self._short: set[str] = set()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._texts)
+        with self._lock:
+            return len(self._texts)
 
     def __contains__(self, text: object) -> bool:
-        return text in self._texts
+        with self._lock:
+            return text in self._texts
 
     def add(self, text: str) -> None:
         """Remember ``text``; stripped of leading and trailing whitespace too, since a
         template may paste it either way (its cache is then the stripped text's own)."""
-        for variant in dict.fromkeys((text, text.strip())):
-            self._add(variant)
+        with self._lock:
+            for variant in dict.fromkeys((text, text.strip())):
+                self._add(variant)
 
     def _add(self, text: str) -> None:
         if not text.strip():
@@ -77,8 +87,9 @@ class PassageIndex:
             self._discard(next(iter(self._texts)))
 
     def discard(self, text: str) -> None:
-        for variant in dict.fromkeys((text, text.strip())):
-            self._discard(variant)
+        with self._lock:
+            for variant in dict.fromkeys((text, text.strip())):
+                self._discard(variant)
 
     def _discard(self, text: str) -> None:
         if text not in self._texts:
@@ -94,7 +105,18 @@ class PassageIndex:
     def find(self, text: str) -> list[Span]:
         """Non-overlapping spans of known passages in ``text``, left to right; where two
         candidates start at the same place the longer wins."""
-        starts: dict[int, int] = {}  # start -> longest end
+        with self._lock:
+            starts = self._starts(text)
+        spans, pos = [], 0
+        for start in sorted(starts):
+            if start >= pos:
+                spans.append(Span(start, starts[start]))
+                pos = starts[start]
+        return spans
+
+    def _starts(self, text: str) -> dict[int, int]:
+        """Where known passages start in ``text``, each start to the longest one's end."""
+        starts: dict[int, int] = {}
         if self._by_anchor:
             a = self.anchor
             for i in range(len(text) - a + 1):
@@ -108,12 +130,7 @@ class PassageIndex:
             while i >= 0:
                 starts[i] = max(starts.get(i, 0), i + len(cand))
                 i = text.find(cand, i + 1)
-        spans, pos = [], 0
-        for start in sorted(starts):
-            if start >= pos:
-                spans.append(Span(start, starts[start]))
-                pos = starts[start]
-        return spans
+        return starts
 
 
 def paragraphs(text: str, min_chars: int) -> list[Span]:

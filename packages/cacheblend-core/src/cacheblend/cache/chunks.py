@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -23,7 +23,7 @@ from ..blend.hint import HINT_FIELD, encode_hint
 from ..config import BlendConfig
 from ..errors import CacheBlendError, UnknownChunkError
 from ..models.decoder import Decoder
-from ..prompt import PromptBuilder, PromptIds
+from ..prompt import PromptBuilder
 from ..results import ChunkHandle
 from ..store import ChunkKV, CorruptEntry, LayerSource, Tier, tier_total
 from ..store.entry import PrefixView, ShapeChecked
@@ -171,10 +171,18 @@ class ChunkCache:
                                                 self.hinted_meta(ids, kv.v[HINT_LAYER]))))
 
     def release(self, handle: ChunkHandle) -> bool:
-        """Delete the chunk's entry from every tier (exact key only); whether one was stored."""
+        """Delete the chunk's entry from every tier (exact key only); whether one was stored.
+
+        A hint backfill of the entry (read, hint computed, written back) that ran across the
+        delete used to write it back: released chunks came back.  Under the lock no prefill
+        reads the entry, so no new backfill is queued between the wait and the delete."""
         if not is_entry_key(handle.key):
             raise CacheBlendError(f"release takes a chunk key (64 hex digits), got {handle.key!r:.80}")
-        return bool(self.store.delete(handle.key))
+        with self.lock:
+            self._hinting.wait(handle.key)
+            if handle.token_ids:
+                self._hinting.wait(self._entry(handle)[0])
+            return bool(self.store.delete(handle.key))
 
     def _prefill_kv(self, ids: list[int], keep_from: int = 0) -> ChunkKV:
         shape = self.decoder.shape
@@ -301,59 +309,6 @@ class ChunkCache:
             self.store.delete(key)
         counter.misses += 1
         return None
-
-    def segments(self, prompt: PromptIds, handles: Sequence[ChunkHandle], method: str,
-                 counter: LookupCounter, defer: Collection[str] = ()) -> list[Segment]:
-        """The prompt as fusor segments with the caches ``method`` may use.  A chunk whose
-        key is in ``defer`` and that is not stored yet is computed in place (as full prefill
-        would) and listed in ``counter.deferred``, to be stored later (:meth:`learn_later`)."""
-        counter.deferred = []
-        if method == "full":
-            return [Segment(prompt.all_ids)]
-        body = prompt.body()
-        if method == "prefix":
-            first = next((i for i, (_, chunk) in enumerate(body) if chunk), None)
-            head = prompt.prefix + (body[first][0] if first is not None else [])
-            rest = [t for ids, _ in body[(first + 1 if first is not None else 0):] for t in ids]
-            return [self.prefix_segment(head, counter), Segment(rest)]
-        segs = [self.prefix_segment(prompt.prefix, counter)] if prompt.prefix else []
-        chunk_handles = iter(handles)
-        for ids, chunk in body:
-            segs.append(self._chunk_segment(next(chunk_handles), counter, defer) if chunk else Segment(ids))
-        if counter.deferred and not any(s.cached is not None and not s.exact for s in segs):
-            return [Segment(prompt.all_ids)]  # nothing to blend: plain full prefill, the causal kernel
-        return segs
-
-    def _chunk_segment(self, handle: ChunkHandle, counter: LookupCounter, defer: Collection[str]) -> Segment:
-        if handle.key not in defer:
-            return Segment(handle.token_ids, self.chunk_source(handle, counter))
-        source = self.stored_source(handle, counter)
-        if source is None:
-            counter.deferred.append(handle)
-            return Segment(handle.token_ids)
-        return Segment(handle.token_ids, source)
-
-    def span_segments(self, ids: Sequence[int], spans: Sequence[tuple[int, int]], counter: LookupCounter,
-                      prefix_counter: LookupCounter | None = None) -> list[Segment]:
-        """Segments of a prompt given as token ids with ``[start, end)`` chunk spans (what a
-        vLLM request carries): spans reuse their chunks' caches; the tokens before the first
-        span (system prompt, template) are the prompt's prefix, exact K/V from the prefix
-        cache as in :meth:`segments` (computed at position 0 and stored on a miss), its
-        lookup counted in ``prefix_counter`` when given; the rest is computed."""
-        ids = list(ids)
-        pos = spans[0][0] if spans else 0
-        segs = []
-        if pos:
-            pc = prefix_counter if prefix_counter is not None else counter
-            pc.bypass_store = counter.bypass_store
-            segs.append(self.prefix_segment(ids[:pos], pc))
-        for a, b in spans:
-            if a > pos:
-                segs.append(Segment(ids[pos:a]))
-            segs.append(Segment(ids[a:b], self.chunk_source(self.handle(ids[a:b]), counter)))
-            pos = b
-        segs.append(Segment(ids[pos:]))
-        return segs
 
     # -- fuse with verification --------------------------------------------------------
     def fuse(self, lookup: Lookup, kv: KVCache, counter: LookupCounter,

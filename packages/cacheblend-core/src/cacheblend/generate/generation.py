@@ -16,6 +16,7 @@ import torch
 
 from ..blend.fusor import FusionReport, Segment, check_deadline
 from ..cache.chunks import LookupCounter
+from ..cache.segments import prompt_segments
 from ..config import BlendConfig, RequestOptions
 from ..prompt import PromptIds
 from ..results import BlendStats, ChunkHandle, Result
@@ -102,8 +103,8 @@ class Generation:
 
         def lookup(counter: LookupCounter) -> tuple[list[Segment], BlendConfig]:
             t = time.perf_counter()
-            segments = cache.segments(self.request.prompt, self.request.handles, self.method, counter,
-                                      defer=self.request.defer)
+            segments = prompt_segments(cache, self.request.prompt, self.request.handles, self.method, counter,
+                                        defer=self.request.defer)
             stats.seconds["lookup"] = stats.seconds.get("lookup", 0.0) + time.perf_counter() - t
             if self.request.options.auto:
                 self._control(segments)

@@ -26,88 +26,19 @@ import threading
 import time
 from pathlib import Path
 
-from safetensors import safe_open
 from safetensors.torch import save as st_save
-from torch import Tensor
 
 from ..cache.keys import is_entry_key
 from .disk_index import DiskIndex, IndexUnwritable, Row
 from .disk_layout import FORMAT, NAMESPACES, TMP_PREFIX, VERSION, NotAStore, claim, header_rows, in_flight, scan
 from .disk_layout import reclaim as reclaim_temp
-from .entry import DIGEST, DIGESTS_FIELD, ChunkKV, CorruptEntry, digest_of, layer_digest, read_entry, verify_entries
+from .disk_source import DiskSource
+from .entry import DIGEST, DIGESTS_FIELD, ChunkKV, CorruptEntry, layer_digest, read_entry, verify_entries
 from .signing import SIGNATURE, Signer
 from .spec import check_namespace
 
 log = logging.getLogger("cacheblend.store")
 __all__ = ["FORMAT", "VERSION", "DiskSource", "DiskStore", "NotAStore"]
-
-
-class DiskSource:
-    """One verified entry, read a layer at a time (each layer checked against its digest)."""
-
-    tier = "disk"
-
-    def __init__(self, store: DiskStore, key: str, path: Path) -> None:
-        self._store, self.key = store, key
-        try:
-            self._file = safe_open(str(path), framework="pt")
-        except Exception as e:
-            # Evicted by another process since it was looked up: a miss, not corruption.
-            # safetensors reports a vanished file as a RuntimeError, not FileNotFoundError.
-            if isinstance(e, FileNotFoundError) or not path.exists():
-                raise FileNotFoundError(str(path)) from e
-            raise CorruptEntry(f"{path}: {e}") from e
-        try:
-            meta = self._file.metadata() or {}
-            ok = meta.get("format") == FORMAT and meta.get("version") == VERSION and meta.get("key") == key
-            self.num_layers = int(meta["layers"])
-            self.num_tokens = int(meta["tokens"])
-            self._algorithm, digests_field = digest_of(meta)
-            self._digests = json.loads(meta[digests_field])
-            ok = ok and len(self._digests) == self.num_layers
-        except Exception as e:  # unreadable header: truncated, overwritten, foreign
-            raise CorruptEntry(f"{path}: {e}") from e
-        if not ok:
-            raise CorruptEntry(f"{path}: header does not describe key {key}")
-        self.meta = {k: v for k, v in meta.items() if k != digests_field}
-        signer = store.signer
-        if signer is not None and not signer.valid(key, self.meta, self._digests):
-            store.unsigned += 1
-            raise CorruptEntry(f"{path}: no valid signature")
-        self._shape: tuple[int, ...] | None = None
-
-    def layer(self, index: int):
-        return self.layer_into(index)
-
-    def layer_into(self, index: int, k_out: Tensor | None = None, v_out: Tensor | None = None):
-        """Layer ``index``, copied into ``k_out``/``v_out`` when given (the whole-entry buffer
-        a tiered store promotes: one copy instead of two), checked after the copy."""
-        try:
-            # Copies, not views: safetensors maps the file, so a view would change under
-            # us if the file is overwritten in place after the digest check; what is
-            # checked must be exactly what is served.
-            k, v = (_copy(self._file.get_tensor(f"{part}.{index}"), out)
-                    for part, out in (("k", k_out), ("v", v_out)))
-        except Exception as e:
-            self._store.condemn(self.key)
-            raise CorruptEntry(f"{self.key}: layer {index} unreadable: {e}") from e
-        self._shape = self._shape or tuple(k.shape)
-        ok = k.dim() == 3 and k.shape == v.shape == self._shape and k.shape[1] == self.num_tokens
-        if not ok or layer_digest(k, v, self._algorithm) != self._digests[index]:
-            self._store.condemn(self.key)
-            raise CorruptEntry(f"{self.key}: layer {index} fails its checksum or shape")
-        return k, v
-
-
-def _copy(stored: Tensor, out: Tensor | None) -> Tensor:
-    """``stored`` copied, into ``out`` if given; an ``out`` of another shape or dtype is an
-    entry that does not match its own first layer: damaged."""
-    if out is None:
-        return stored.clone()
-    if out.shape != stored.shape or out.dtype != stored.dtype:
-        raise ValueError(f"layer of shape {tuple(stored.shape)} {stored.dtype}, the entry's others "
-                         f"{tuple(out.shape)} {out.dtype}")
-    return out.copy_(stored)
 
 
 class DiskStore:
@@ -142,7 +73,17 @@ class DiskStore:
         return self.root / key[:2] / f"{key}.safetensors"
 
     def _file(self, key: str) -> Path | None:
-        """The entry's path if it is a real file inside the store (no symlink on the way)."""
+        """The entry's path if it is a real file inside the store (no symlink on the way);
+        None too where it cannot be looked at (a folder another user made without access
+        for this one: a miss, not an exception on the request path)."""
+        try:
+            return self._real_file(key)
+        except OSError as e:
+            self.last_error = f"{type(e).__name__}: {e}"
+            return None
+
+    def _real_file(self, key: str) -> Path | None:
+        """:meth:`_file`, raising ``OSError`` where it cannot tell."""
         path = self.path(key)
         if path.parent.is_symlink() or path.is_symlink() or not path.is_file():
             return None
@@ -224,10 +165,25 @@ class DiskStore:
                 self.skipped_writes += 1
                 return False
         except (OSError, sqlite3.Error, IndexUnwritable) as e:  # full, read-only, gone
-            self.index.write("DELETE FROM entries WHERE key = ?", (key,))
+            self._unreserve(key)
             self._write_failed(e)
             return False
         return True
+
+    def _unreserve(self, key: str) -> None:
+        """Undo a failed write's reservation.  A rewrite (the hint backfill on a full disk)
+        leaves the entry it meant to replace in place: that file keeps a row with its own
+        size, so it stays counted and evictable instead of being served from outside the index."""
+        path = self._file(key)
+        try:
+            size = path.stat().st_size if path is not None else None
+        except OSError:
+            size = None
+        if size is None:
+            self.index.write("DELETE FROM entries WHERE key = ?", (key,))
+        else:
+            self.index.write("INSERT INTO entries (key, bytes, used) VALUES (?, ?, ?) "
+                             "ON CONFLICT(key) DO UPDATE SET bytes = excluded.bytes", (key, size, time.time()))
 
     def _encode(self, key: str, kv: ChunkKV) -> tuple[dict, dict[str, str]]:
         tensors = {}
@@ -354,13 +310,21 @@ class DiskStore:
         stale = self._drop_stale(0.0)
         return {"temp_files_removed": removed, "stale_index_rows": stale, "stray_files": len(self.files()[1])}
 
+    def _gone(self, key: str) -> bool:
+        """No entry file for ``key``; False where it cannot tell (no access: another user's
+        entry stays indexed)."""
+        try:
+            return self._real_file(key) is None
+        except OSError:
+            return False
+
     def _drop_stale(self, min_age_s: float) -> int:
         """Drop index rows whose file is gone: a killed writer's reservation, a file
         deleted by hand.  Rows younger than ``min_age_s`` or with a temp file may be a
         write in flight in another process and stay."""
         busy, now = in_flight(self.root), time.time()
         rows = self.index.sql("SELECT key, used FROM entries")
-        stale = [k for k, used in rows if now - used >= min_age_s and k not in busy and self._file(k) is None]
+        stale = [k for k, used in rows if now - used >= min_age_s and k not in busy and self._gone(k)]
         for k in stale:
             self.index.write("DELETE FROM entries WHERE key = ?", (k,))
         return len(stale)

@@ -50,7 +50,11 @@ def scan(root: Path) -> tuple[list[tuple[str, Path]], list[Path]]:
     except OSError:
         pass
     for d in entry_dirs(root):
-        for p in d.iterdir():
+        try:
+            names = list(d.iterdir())
+        except OSError:  # a folder another user made without access for this one: left alone
+            continue
+        for p in names:
             if p.name.startswith(TMP_PREFIX) and not p.is_symlink():
                 continue
             key = p.name.removesuffix(".safetensors")

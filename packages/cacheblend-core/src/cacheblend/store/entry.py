@@ -48,6 +48,11 @@ class ChunkKV:
     def __post_init__(self) -> None:
         if self.k.shape != self.v.shape or self.k.dim() != 4:
             raise ValueError(f"ChunkKV needs k and v of one 4-d shape, got {self.k.shape}, {self.v.shape}")
+        if self.k.dtype != self.v.dtype or self.k.device != self.v.device:
+            raise ValueError(f"ChunkKV needs k and v of one dtype and device, got {self.k.dtype} on {self.k.device} "
+                             f"and {self.v.dtype} on {self.v.device}")
+        if self.k.shape[0] == 0 or self.k.shape[2] == 0:
+            raise ValueError(f"ChunkKV needs at least one layer and one token, got shape {tuple(self.k.shape)}")
 
     @property
     def num_tokens(self) -> int:

@@ -54,16 +54,17 @@ class MemoryStore:
             self._items[key] = kv
             self._bytes += size
             while self.capacity_bytes is not None and self._bytes > self.capacity_bytes:
-                evicted = self._items.pop(self._victim())
+                evicted = self._items.pop(self._victim(key))
                 self._bytes -= evicted.nbytes
                 self.evictions += 1
         return True
 
-    def _victim(self) -> str:
+    def _victim(self, new: str) -> str:
         """The least recently used learned chunk (found in a prompt, not ingested), else the
-        least recently used entry."""
-        return next((k for k, kv in self._items.items() if kv.meta.get("origin") == "learned"),
-                    next(iter(self._items)))
+        least recently used entry; never ``new``, the entry being stored (a learned one was
+        its own victim after others had been evicted for it, and ``put`` said True)."""
+        others = [(k, kv) for k, kv in self._items.items() if k != new]
+        return next((k for k, kv in others if kv.meta.get("origin") == "learned"), others[0][0])
 
     def open(self, key: str) -> ChunkKV | None:
         """Layer-wise access: an in-memory entry already is one."""

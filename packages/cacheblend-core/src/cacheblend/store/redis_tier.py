@@ -100,6 +100,7 @@ class RedisStore:
                                                   socket_connect_timeout=timeout_s)
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self._refusal = redis.exceptions.ResponseError
+        self._other = redis.exceptions.RedisError  # e.g. InvalidResponse: not a Redis at that address
         self._down_until = 0.0
         self._lock = threading.Lock()
         self.corrupt = 0
@@ -135,6 +136,9 @@ class RedisStore:
             unusable = any(s in str(e) for s in _UNUSABLE)
             self._failed("refused", e, self.backoff_s if unusable else 0.0)
             return None if unusable else refused
+        except self._other as e:
+            self._failed("unreachable", e, self.backoff_s)
+            return None
 
     def _failed(self, counter: str, e: Exception, rest_s: float) -> None:
         with self._lock:
@@ -163,7 +167,7 @@ class RedisStore:
             if meta.get("key") != key:
                 raise ValueError("meta names another key")
             return RedisSource(self, key, meta)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, CorruptEntry) as e:  # e.g. a digest unknown here
             self.last_error = f"bad meta for {key}: {e}"
             self.condemn(key)
             return None

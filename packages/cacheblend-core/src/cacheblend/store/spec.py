@@ -57,10 +57,13 @@ def split_spec(spec: str) -> tuple[list[str], StoreOptions]:
     tiers, options = [], {}
     for part in (p.strip() for p in spec.split(",")):
         name, eq, value = part.partition("=")
+        name = name.strip().lower()  # "KEY = s" is the key too, never a tier name shown in an error
         if eq and name in _OPTIONS:
             if name in options:
                 raise ValueError(f"store spec gives {name}= twice")
-            options[name] = value
+            if not value.strip():  # an unset template variable must not turn signing off
+                raise ValueError(f"store spec gives an empty {name}=")
+            options[name] = value.strip()
         elif part:
             tiers.append(part)
     if not tiers:
@@ -72,7 +75,7 @@ def split_spec(spec: str) -> tuple[list[str], StoreOptions]:
 
 def _safe(spec: str) -> str:
     """``spec`` with a ``key=`` secret hidden (for error messages)."""
-    return re.sub(r"(^|,)\s*key=[^,]*", r"\1key=***", spec)
+    return re.sub(r"(^|,)\s*key\s*=[^,]*", r"\1key=***", spec, flags=re.IGNORECASE)
 
 
 def is_size(text: str) -> bool:

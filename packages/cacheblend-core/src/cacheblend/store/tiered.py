@@ -42,7 +42,12 @@ class _PromotingSource:
     arrives, hands that entry to the faster tiers.  A source with ``layer_into`` (the disk
     tier) copies each layer straight into the buffer, so a cold read copies its bytes once,
     not once per layer and again to stack them (about 40 ms of a 6-passage prompt's blend).
-    The layers served are views of the buffer, as a memory-tier hit's are of its entry."""
+    The layers served are views of the buffer, as a memory-tier hit's are of its entry.
+
+    A layer read before is served from the buffer, never read again: a second pass over the
+    same prompt (the guard's ladder, the question probe) must not copy unchecked bytes into
+    an entry the faster tiers already hold (the digest is checked after the copy), nor hand
+    that entry to them once more per layer."""
 
     def __init__(self, store: TieredStore, key: str, source: LayerSource, faster: list[Tier]) -> None:
         self._store, self.key, self._source, self._faster = store, key, source, faster
@@ -54,6 +59,8 @@ class _PromotingSource:
         self._v: Tensor | None = None
 
     def layer(self, index: int) -> tuple[Tensor, Tensor]:
+        if index in self._read and self._k is not None and self._v is not None:
+            return self._k[index], self._v[index]  # checked when it was read
         if self._k is not None and self._v is not None and self._into is not None:
             k, v = self._into(index, self._k[index], self._v[index])
         else:
@@ -82,8 +89,10 @@ class TieredStore:
         self._queue: queue.Queue | None = None
         if background and len(tiers) > 1:
             self._queue = queue.Queue()
-            threading.Thread(target=self._writer, name="cacheblend-store-writer", daemon=True).start()
             ref = weakref.ref(self)
+            threading.Thread(target=_write_behind, args=(ref, self._queue), name="cacheblend-store-writer",
+                             daemon=True).start()
+            weakref.finalize(self, self._queue.put, None)  # a store nobody holds stops its writer
             atexit.register(_flush_at_exit, ref)
 
     # -- reads ---------------------------------------------------------------------
@@ -117,19 +126,6 @@ class TieredStore:
                 self.stats_counts.failed_writes += 1
         return first
 
-    def _writer(self) -> None:
-        assert self._queue is not None
-        while True:
-            tier, key, kv = self._queue.get()
-            try:
-                ok = tier.put(key, kv)
-            except Exception:  # a tier's failure must never take the writer down
-                ok = False
-            self.stats_counts.background_writes += 1
-            if not ok:
-                self.stats_counts.failed_writes += 1
-            self._queue.task_done()
-
     def flush(self) -> None:
         """Wait until every background write has landed."""
         if self._queue is not None:
@@ -148,6 +144,25 @@ class TieredStore:
         c = self.stats_counts
         return {"tiers": [t.stats() for t in self.tiers], "hits": list(c.hits), "misses": c.misses,
                 "background_writes": c.background_writes, "failed_writes": c.failed_writes}
+
+
+def _write_behind(ref: weakref.ref[TieredStore], jobs: queue.Queue) -> None:
+    """The store's background writer.  It holds the store only to count a write, so a store
+    that nobody uses any more is collected (with the tensors of its memory tier) and its
+    finalizer's ``None`` ends this thread after the writes queued before it."""
+    while (job := jobs.get()) is not None:
+        tier, key, kv = job
+        try:
+            ok = tier.put(key, kv)
+        except Exception:  # a tier's failure must never take the writer down
+            ok = False
+        store = ref()
+        if store is not None:
+            store.stats_counts.background_writes += 1
+            store.stats_counts.failed_writes += not ok
+        del store, job, tier, kv
+        jobs.task_done()
+    jobs.task_done()
 
 
 def _flush_at_exit(ref: weakref.ref[TieredStore]) -> None:

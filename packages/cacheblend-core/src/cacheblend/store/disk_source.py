@@ -1,0 +1,87 @@
+"""Reading one disk-tier entry a layer at a time, each layer checked against its digest
+after it is copied out of the mapped file (what is checked is exactly what is served)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from safetensors import safe_open
+from torch import Tensor
+
+from .disk_layout import FORMAT, VERSION
+from .entry import CorruptEntry, digest_of, layer_digest
+
+if TYPE_CHECKING:
+    from .disk import DiskStore
+
+__all__ = ["DiskSource"]
+
+
+class DiskSource:
+    """One verified entry, read a layer at a time (each layer checked against its digest)."""
+
+    tier = "disk"
+
+    def __init__(self, store: DiskStore, key: str, path: Path) -> None:
+        self._store, self.key = store, key
+        try:
+            self._file = safe_open(str(path), framework="pt")
+        except Exception as e:
+            # Evicted by another process since it was looked up: a miss, not corruption.
+            # safetensors reports a vanished file as a RuntimeError, not FileNotFoundError.
+            if isinstance(e, FileNotFoundError) or not path.exists():
+                raise FileNotFoundError(str(path)) from e
+            raise CorruptEntry(f"{path}: {e}") from e
+        try:
+            meta = self._file.metadata() or {}
+            ok = meta.get("format") == FORMAT and meta.get("version") == VERSION and meta.get("key") == key
+            self.num_layers = int(meta["layers"])
+            self.num_tokens = int(meta["tokens"])
+            self._algorithm, digests_field = digest_of(meta)
+            self._digests = json.loads(meta[digests_field])
+            ok = ok and len(self._digests) == self.num_layers
+        except Exception as e:  # unreadable header: truncated, overwritten, foreign
+            raise CorruptEntry(f"{path}: {e}") from e
+        if not ok:
+            raise CorruptEntry(f"{path}: header does not describe key {key}")
+        self.meta = {k: v for k, v in meta.items() if k != digests_field}
+        signer = store.signer
+        if signer is not None and not signer.valid(key, self.meta, self._digests):
+            store.unsigned += 1
+            raise CorruptEntry(f"{path}: no valid signature")
+        self._shape: tuple[int, ...] | None = None
+
+    def layer(self, index: int):
+        return self.layer_into(index)
+
+    def layer_into(self, index: int, k_out: Tensor | None = None, v_out: Tensor | None = None):
+        """Layer ``index``, copied into ``k_out``/``v_out`` when given (the whole-entry buffer
+        a tiered store promotes: one copy instead of two), checked after the copy."""
+        try:
+            # Copies, not views: safetensors maps the file, so a view would change under
+            # us if the file is overwritten in place after the digest check; what is
+            # checked must be exactly what is served.
+            k, v = (_copy(self._file.get_tensor(f"{part}.{index}"), out)
+                    for part, out in (("k", k_out), ("v", v_out)))
+        except Exception as e:
+            self._store.condemn(self.key)
+            raise CorruptEntry(f"{self.key}: layer {index} unreadable: {e}") from e
+        self._shape = self._shape or tuple(k.shape)
+        ok = k.dim() == 3 and k.shape == v.shape == self._shape and k.shape[1] == self.num_tokens
+        if not ok or layer_digest(k, v, self._algorithm) != self._digests[index]:
+            self._store.condemn(self.key)
+            raise CorruptEntry(f"{self.key}: layer {index} fails its checksum or shape")
+        return k, v
+
+
+def _copy(stored: Tensor, out: Tensor | None) -> Tensor:
+    """``stored`` copied, into ``out`` if given; an ``out`` of another shape or dtype is an
+    entry that does not match its own first layer: damaged."""
+    if out is None:
+        return stored.clone()
+    if out.shape != stored.shape or out.dtype != stored.dtype:
+        raise ValueError(f"layer of shape {tuple(stored.shape)} {stored.dtype}, the entry's others "
+                         f"{tuple(out.shape)} {out.dtype}")
+    return out.copy_(stored)
