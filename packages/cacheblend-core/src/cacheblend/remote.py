@@ -36,6 +36,7 @@ from .results import BlendStats, ChunkHandle, Result
 REMOTE_METHODS = ("blend", "reuse", "full")  # "prefix" is vLLM's own prefix caching, off with the connector
 _SHARED: dict[tuple, RemoteEngine] = {}
 _SHARED_LOCK = threading.Lock()
+_KEY_LOCKS: dict[tuple, threading.Lock] = {}
 
 
 class RemoteGeneration:
@@ -131,7 +132,9 @@ class RemoteEngine(Answering):
         """One client per server, model and key in this process, so that every adapter
         object on that server sees the passages any of them ingested (as ``Engine.shared``)."""
         key = (base_url, model, api_key, tuple(sorted(options.items())))
-        with _SHARED_LOCK:
+        with _SHARED_LOCK:  # held for a dict lookup only: a client is built under its key's own lock,
+            lock = _KEY_LOCKS.setdefault(key, threading.Lock())  # so one server that does not answer
+        with lock:  # (its model list, the tokenizer) never holds up clients of the others
             if key not in _SHARED:
                 _SHARED[key] = cls(base_url, model, api_key=api_key, **options)
             return _SHARED[key]
