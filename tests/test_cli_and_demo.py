@@ -123,3 +123,16 @@ def test_ask_options_and_ingest_says_what_it_stored(tmp_path, default_model_dir)
     assert ask.returncode == 0, ask.stderr
     stats = json.loads(ask.stderr.strip().splitlines()[-1])
     assert stats["controller"] is not None and stats["store_hits"] == 1
+
+
+def test_split_keeps_non_ascii_separators_and_reads_escapes(tmp_path):
+    from cacheblend.cli import _read_chunks, _split
+
+    assert (_split("—"), _split("§"), _split("\\n\\n"), _split("\\u2014")) == ("—", "§", "\n\n", "—")
+    assert _split(None) is None
+    doc = tmp_path / "doc.txt"
+    doc.write_text("alpha — beta\n\ngamma", encoding="utf-8")
+    assert _read_chunks([doc], _split("—")) == ["alpha", "beta\n\ngamma"]
+    assert _read_chunks([doc], _split("\\n\\n")) == ["alpha — beta", "gamma"]
+    with pytest.raises(ValueError, match="--split .* bad backslash escape"):
+        _split("\\x")

@@ -187,7 +187,7 @@ def test_async_calls_do_not_block_the_event_loop(llm, example):
 def test_bad_input_is_a_clear_error(llm):
     from langchain_core.messages import ToolMessage
 
-    with pytest.raises(ValueError, match="tools are not supported"):
+    with pytest.raises(CacheBlendError, match="'tool' message: tool calling is not supported"):
         llm.invoke([ToolMessage("x", tool_call_id="1")])
     with pytest.raises(ValueError, match="unknown options"):
         llm.invoke("hi", temprature=0.5)

@@ -54,7 +54,16 @@ def _read_chunks(files: list[Path], split: str | None) -> list[str]:
 
 
 def _split(value: str | None) -> str | None:
-    return value.encode().decode("unicode_escape") if value else None
+    """``--split`` with backslash escapes (``'\\n\\n'``) turned into the characters they name.
+
+    ``unicode_escape`` reads bytes as Latin-1, so every character it cannot encode goes in
+    as its own ``\\uXXXX`` escape: an em dash or ``§`` comes back as itself, not as mojibake."""
+    if not value:
+        return None
+    try:
+        return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--split {value!r} has a bad backslash escape: {e.reason}") from None
 
 
 def cmd_ingest(args) -> int:

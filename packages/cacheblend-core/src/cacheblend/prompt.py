@@ -15,6 +15,31 @@ from .errors import CacheBlendError
 
 _SENTINEL = "\u2063CACHEBLEND_CONTENT\u2063"
 
+# The roles a chat message may have, under every name the frameworks give them, and the
+# role the chat template knows it by.  One table, so both adapters take the same roles.
+CHAT_ROLES = {
+    "system": "system", "developer": "system",
+    "user": "user", "human": "user",
+    "assistant": "assistant", "ai": "assistant", "chatbot": "assistant", "model": "assistant",
+}
+# Roles of tool calling, which the engine does not do: refused, never passed off as user turns.
+TOOL_ROLES = ("tool", "function")
+
+
+def chat_role(role: object, where: str = "") -> str:
+    """The chat template's role for a framework's ``role``.
+
+    Tool and function results are refused rather than sent as user turns: the model would
+    read a tool's output as something the user said, and the answer would not say so."""
+    at = f"{where}: " if where else ""
+    name = str(getattr(role, "value", role)).lower()
+    if name in TOOL_ROLES:
+        raise CacheBlendError(f"{at}cannot take a {name!r} message: tool calling is not supported "
+                              "(use a tool-calling model for tool steps)")
+    if name not in CHAT_ROLES:
+        raise CacheBlendError(f"{at}unknown message role {name!r}; known: {', '.join(CHAT_ROLES)}")
+    return CHAT_ROLES[name]
+
 
 @dataclass(frozen=True)
 class PromptIds:
@@ -66,11 +91,27 @@ class PromptBuilder:
         if self.use_chat_template:
             messages = [{"role": "system", "content": system}] if system is not None else []
             messages.append({"role": "user", "content": _SENTINEL})
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.render(messages)
             before, after = text.split(_SENTINEL)
             return before, after
         bos = self.tokenizer.bos_token or ""
         return bos + (f"{system}\n\n" if system else ""), "\n"
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """The chat template applied to ``messages``.
+
+        A template may refuse a conversation (roles that do not alternate, a system message
+        not first, no system role at all): jinja2 raises a ``TemplateError``, which is bad
+        input, not a failure to retry, so it becomes a :class:`CacheBlendError` naming the roles."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:
+            from jinja2.exceptions import TemplateError  # transformers renders chat templates with jinja2
+
+            if not isinstance(e, TemplateError):
+                raise
+            roles = [m["role"] for m in messages]
+            raise CacheBlendError(f"the model's chat template refuses messages with roles {roles}: {e}") from e
 
     def build(self, query: str, chunks: list[list[int]], system: str | None, preamble: str = "") -> PromptIds:
         before, after = self.frame(system)
@@ -87,7 +128,7 @@ class PromptBuilder:
         marks = [f"\u2063CB{i}\u2063" for i in range(len(messages))]
         if self.use_chat_template:
             marked = [{"role": m["role"], "content": mark} for m, mark in zip(messages, marks, strict=True)]
-            text = self.tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+            text = self.render(marked)
         else:
             text = (self.tokenizer.bos_token or "") + "".join(f"{mark}\n" for mark in marks)
         parts: list[tuple[str, int | None]] = []

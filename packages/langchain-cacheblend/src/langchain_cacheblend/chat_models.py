@@ -14,9 +14,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
@@ -28,11 +27,15 @@ from cacheblend.config import RequestOptions
 from cacheblend.models.names import DEFAULT_MODEL_NAMES
 from cacheblend.remote import RemoteEngine
 
+from .messages import chat_messages, document_texts
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_ROLE_OF = {"system": "system", "human": "user", "ai": "assistant"}
 _D = RequestOptions()  # the core's defaults: the same options, names and defaults as every entry point
 # Request options that are fields here under the core's own name (max_tokens and stop are LangChain's names).
 _FIELD_OPTIONS = [n for n in RequestOptions.names() if n not in ("max_new_tokens", "stop")]
+# Options whose unset value is None (max_risk, seed, timeout, ...): a per-call None sets them
+# to None.  A per-call None for any other option means this object's own value (as in CacheBlendLLM).
+_NULLABLE = frozenset(name for name, value in _D.as_dict().items() if value is None)
 
 
 class ChatCacheBlend(BaseChatModel):
@@ -57,12 +60,14 @@ class ChatCacheBlend(BaseChatModel):
     """HF folder or ``.gguf`` file; None for the default model."""
     store: str | None = None
     """Store spec (``"memory"``, ``"disk:PATH"``, ``"redis://…"``, comma-joined tiers); None: default."""
-    temperature: float = _D.temperature
-    max_tokens: int | None = Field(default=_D.max_new_tokens,
+    temperature: float = Field(default=_D.temperature, ge=0.0)
+    """0 decodes greedily."""
+    max_tokens: int | None = Field(default=_D.max_new_tokens, gt=0,
                                    validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
-    top_p: float = _D.top_p
+    """New tokens at most (None: the core's default)."""
+    top_p: float = Field(default=_D.top_p, gt=0.0, le=1.0)
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
-    timeout: float | None = None
+    timeout: float | None = Field(default=_D.timeout, gt=0)
     """Seconds a call may take; checked between the layers of the prefill and between decoded tokens."""
     max_retries: int = 2
     """Retries of a call that failed for a reason other than bad input (e.g. a store error)."""
@@ -84,21 +89,21 @@ class ChatCacheBlend(BaseChatModel):
     deviation: Literal["v", "k", "kv"] = _D.deviation  # type: ignore[assignment]
     gradual: bool = _D.gradual
     selection: Literal["deviation", "attention", "impact", "probe"] = _D.selection  # type: ignore[assignment]
-    chunk_heads: int = _D.chunk_heads
+    chunk_heads: int = Field(default=_D.chunk_heads, ge=0)
     chunk_budget: Literal["global", "attention"] = _D.chunk_budget  # type: ignore[assignment]
-    probe_share: float = _D.probe_share
+    probe_share: float = Field(default=_D.probe_share, ge=0.0, le=1.0)
     """With ``selection="probe"``: the budget's share chosen by the question probe; the rest by deviation."""
-    shift_share: float = _D.shift_share
+    shift_share: float = Field(default=_D.shift_share, ge=0.0, le=1.0)
     """Share of each chunk's tokens, evenly spaced, recomputed to estimate and correct the chunk's shift (0: off)."""
     shift_parts: Literal["kv", "k", "v"] = _D.shift_parts  # type: ignore[assignment]
     """Which of the keys and values the chunk shift moves."""
-    shift_values_from: float = _D.shift_values_from
+    shift_values_from: float = Field(default=_D.shift_values_from, ge=0.0, le=1.0)
     """The chunk shift moves values only from this fraction of the model's depth on."""
     max_risk: float | None = _D.max_risk
     """The quality guard's risk limit (see ``response_metadata["cacheblend"]["fidelity"]``)."""
     max_exposure: float | None = _D.max_exposure
     """The quality guard's limit on risk × exposure (how much the first token rests on stale K/V)."""
-    check_pool: float = _D.check_pool
+    check_pool: float = Field(default=_D.check_pool, ge=0.0, le=1.0)
     """Share of the chunk tokens, by the deviation hint stored at ingestion, run up to the check layer (1: all)."""
     ignore_eos: bool = _D.ignore_eos
     """Decode past end-of-sequence up to ``max_tokens`` (fixed-length answers, for timing)."""
@@ -128,18 +133,29 @@ class ChatCacheBlend(BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider="cacheblend", ls_model_type="chat",
                                  ls_model_name=kwargs.get("model") or self.model_name,
-                                 ls_temperature=kwargs.get("temperature", self.temperature))
-        if (max_tokens := kwargs.get("max_tokens", self.max_tokens)) is not None:
+                                 ls_temperature=_or(kwargs.get("temperature"), self.temperature))
+        if (max_tokens := _or(kwargs.get("max_tokens"), self.max_tokens)) is not None:
             params["ls_max_tokens"] = max_tokens
-        if stop := stop or self.stop:
+        if stop := stop if stop is not None else self.stop:
             params["ls_stop"] = stop
         return params
 
     @model_validator(mode="after")
-    def _known_model_kwargs(self) -> ChatCacheBlend:
+    def _valid_options(self) -> ChatCacheBlend:
+        """Every option checked when the object is built, as ``CacheBlendLLM`` does, so a
+        bad value fails here and not at the first call (the field constraints name the
+        LangChain field; the core checks the rest under the same names)."""
         RequestOptions.check_names(self.model_kwargs, "ChatCacheBlend(model_kwargs=...)")
         RequestOptions.parse(self.model_kwargs)
+        RequestOptions.parse(self._field_options())
         return self
+
+    def _field_options(self) -> dict[str, Any]:
+        """The fields as core request options (``max_tokens`` as ``max_new_tokens``)."""
+        options: dict[str, Any] = {name: getattr(self, name) for name in _FIELD_OPTIONS}
+        options["stop"] = tuple(self.stop or ())
+        options["max_new_tokens"] = self.max_tokens if self.max_tokens is not None else _D.max_new_tokens
+        return options
 
     @property
     def model_name(self) -> str:
@@ -193,30 +209,28 @@ class ChatCacheBlend(BaseChatModel):
 
     # -- requests ------------------------------------------------------------------------
     def _start(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> GenerationRun:
-        kwargs = dict(kwargs)
-        documents = _texts(kwargs.pop("documents", None) or ())
-        max_tokens = kwargs.pop("max_tokens", self.max_tokens)
+        kwargs = {name: value for name, value in kwargs.items() if not name.startswith("ls_")}  # tracing only
+        documents = document_texts(kwargs.pop("documents", None) or ())
         model = kwargs.pop("model", None)
         if not self._same_model(model):
             raise ValueError(f"ChatCacheBlend serves {self.model_name!r}, not {model!r}: one object per model; "
                              f"build ChatCacheBlend(model={model!r}) for another")
         for name in ("response_format", "format"):
-            if kwargs.get(name) is not None:
+            if kwargs.pop(name, None) is not None:
                 raise ValueError(f"ChatCacheBlend has no JSON mode ({name}=...): ask for JSON in the prompt and "
                                  "parse the text (JsonOutputParser)")
-        if "learn_passages" in kwargs:
-            kwargs["learn"] = kwargs.pop("learn_passages")
-        for name in list(kwargs):
-            if name.startswith("ls_") or kwargs[name] is None:
-                kwargs.pop(name)
-        RequestOptions.check_names(kwargs, "ChatCacheBlend")
-        options: dict[str, Any] = {name: getattr(self, name) for name in _FIELD_OPTIONS}
-        options["stop"] = tuple(stop or self.stop or ())
-        options["max_new_tokens"] = max_tokens if max_tokens is not None else _D.max_new_tokens
-        return self.get_engine().start_chat(_messages(messages), documents, **(options | self.model_kwargs | kwargs))
+        options = self._field_options()
+        if stop is not None:  # [] clears the field's stops
+            options["stop"] = tuple(stop)
+        return self.get_engine().start_chat(chat_messages(messages), documents,
+                                            **(options | self.model_kwargs | _per_call(kwargs)))
 
     def _attempts(self) -> int:
         return 1 + max(0, self.max_retries)
+
+    def _timeout(self, kwargs: dict[str, Any]) -> float | None:
+        """The call's time limit: a per-call ``timeout`` (None: none) over the field."""
+        return kwargs["timeout"] if "timeout" in kwargs else self.timeout
 
     def _generate(
         self,
@@ -225,13 +239,14 @@ class ChatCacheBlend(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        deadline = time.monotonic() + self.timeout if self.timeout else None
+        timeout = self._timeout(kwargs)
+        deadline = time.monotonic() + timeout if timeout else None
         for attempt in range(self._attempts()):
             try:
                 gen = self._start(messages, stop, kwargs)
                 for _ in gen.pieces:
-                    _check(deadline, self.timeout)
-                _check(deadline, self.timeout)
+                    _check(deadline, timeout)
+                _check(deadline, timeout)
                 break
             except (TimeoutError, ValueError):  # bad input (CacheBlendError is one) or too slow: no retry
                 raise
@@ -249,10 +264,11 @@ class ChatCacheBlend(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        deadline = time.monotonic() + self.timeout if self.timeout else None
+        timeout = self._timeout(kwargs)
+        deadline = time.monotonic() + timeout if timeout else None
         gen = self._start(messages, stop, kwargs)
         for piece in gen.pieces:
-            _check(deadline, self.timeout)
+            _check(deadline, timeout)
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
             if run_manager:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
@@ -276,7 +292,8 @@ class ChatCacheBlend(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        deadline = time.monotonic() + self.timeout if self.timeout else None
+        timeout = self._timeout(kwargs)
+        deadline = time.monotonic() + timeout if timeout else None
         started: list[GenerationRun] = []
 
         def start() -> Iterator[str]:
@@ -284,7 +301,7 @@ class ChatCacheBlend(BaseChatModel):
             return started[0].pieces
 
         async for piece in iterate_in_thread(start):
-            _check(deadline, self.timeout)
+            _check(deadline, timeout)
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
             if run_manager:
                 await run_manager.on_llm_new_token(piece, chunk=chunk)
@@ -319,41 +336,18 @@ def _check(deadline: float | None, timeout: float | None) -> None:
         raise TimeoutError(f"ChatCacheBlend call took longer than timeout={timeout} s")
 
 
-def _texts(documents: Any) -> list[str]:
-    if isinstance(documents, (str, Document)):
-        documents = [documents]
-    out = []
-    for d in documents:
-        if isinstance(d, Document):
-            out.append(d.page_content)
-        elif isinstance(d, str):
-            out.append(d)
-        else:
-            raise ValueError(f"documents must be Document objects or strings, got {type(d).__name__}")
-    return out
+def _or(value: Any, field: Any) -> Any:
+    """A per-call value, or the field's where the call passed None."""
+    return field if value is None else value
 
 
-def _messages(messages: list[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages as the engine's ``{"role", "content"}`` dicts (text only)."""
-    out = []
-    for m in messages:
-        role = m.role if isinstance(m, ChatMessage) else _ROLE_OF.get(m.type)
-        if role not in ("system", "user", "assistant"):
-            raise ValueError(f"ChatCacheBlend cannot take a {m.type!r} message: tools are not supported")
-        out.append({"role": role, "content": _text(m)})
-    return out
-
-
-def _text(message: BaseMessage) -> str:
-    if isinstance(message.content, str):
-        return message.content
-    parts = []
-    for block in message.content:
-        if isinstance(block, str):
-            parts.append(block)
-        elif isinstance(block, dict) and block.get("type") == "text":
-            parts.append(block.get("text", ""))
-        else:
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise ValueError(f"ChatCacheBlend takes text only; got a {kind!r} content block")
-    return "".join(parts)
+def _per_call(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Per-call options under the core's names: ``max_tokens`` and ``learn_passages`` renamed,
+    every name checked, and None kept only where None is the option's unset value."""
+    kwargs = dict(kwargs)
+    for name, core in (("max_tokens", "max_new_tokens"), ("learn_passages", "learn")):
+        if name in kwargs:
+            value = kwargs.pop(name)
+            kwargs[core] = value if value is not None else kwargs.get(core)
+    RequestOptions.check_names(kwargs, "ChatCacheBlend")
+    return {name: value for name, value in kwargs.items() if value is not None or name in _NULLABLE}

@@ -24,28 +24,29 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
+    TextBlock,
 )
-from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, field_validator
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore
 
 from cacheblend import METHODS, CacheBlendError, Engine, Result
 from cacheblend.aio import iterate_in_thread, run_in_thread
 from cacheblend.backend import Backend, GenerationRun
 from cacheblend.config import RequestOptions
+from cacheblend.prompt import chat_role
 from cacheblend.remote import RemoteEngine
 
-# LlamaIndex roles the chat template knows under another name.  Tool and function
-# results are information handed to the model, so they travel as user turns.
-_ROLES = {
-    MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system",
-    MessageRole.USER: "user", MessageRole.TOOL: "user", MessageRole.FUNCTION: "user",
-    MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
-}
 _D = RequestOptions()  # the core's defaults: the same options, names and defaults as every entry point
 # Request options that are fields here under the core's own name; LlamaIndex names two of them
 # its own way: max_tokens (max_new_tokens) and request_timeout (timeout).
 _FIELD_OPTIONS = [n for n in RequestOptions.names() if n not in ("max_new_tokens", "timeout")]
+# Per-call names of this adapter (and ChatCacheBlend's former name of learn) for core options.
+_RENAMED = (("max_tokens", "max_new_tokens"), ("request_timeout", "timeout"), ("learn_passages", "learn"))
+# Options whose unset value is None (max_risk, seed, timeout, ...): a per-call None sets them
+# to None.  A per-call None for any other option means this object's own value (as in ChatCacheBlend).
+_NULLABLE = frozenset(name for name, value in _D.as_dict().items() if value is None)
 
 
 def raw_of(result: Result) -> dict[str, Any]:
@@ -74,6 +75,24 @@ def deltas(gen: GenerationRun) -> Iterator[tuple[str, str, dict | None]]:
         gen.pieces.close()  # a stream abandoned early stops decoding now
     assert gen.result is not None
     yield gen.result.text, "", raw_of(gen.result)
+
+
+def document_texts(documents: Any) -> list[str]:
+    """``documents=`` (strings, or LlamaIndex documents and nodes) as passage texts.  A node
+    is read as synthesizers read it, ``get_content(metadata_mode=MetadataMode.LLM)``, which
+    is also the text :class:`CacheBlendKVTransform` caches."""
+    if isinstance(documents, (str, BaseNode, NodeWithScore)):
+        documents = [documents]
+    out = []
+    for d in documents:
+        node = d.node if isinstance(d, NodeWithScore) else d
+        if isinstance(node, BaseNode):
+            out.append(node.get_content(metadata_mode=MetadataMode.LLM))
+        elif isinstance(node, str):
+            out.append(node)
+        else:
+            raise CacheBlendError(f"documents must be strings or LlamaIndex documents/nodes, got {type(d).__name__}")
+    return out
 
 
 class CacheBlendLLM(CustomLLM):
@@ -125,7 +144,8 @@ class CacheBlendLLM(CustomLLM):
     stop: list[str] = Field(default_factory=lambda: list(_D.stop), description="Strings that end the answer.")
     ignore_eos: bool = Field(default=_D.ignore_eos, description="Decode past end-of-sequence up to max_tokens "
                                                                 "(fixed-length answers, for timing).")
-    learn: bool = Field(default=_D.learn, description="Cache long unknown paragraphs of prompts for next time.")
+    learn: bool = Field(default=_D.learn, description="Cache long unknown paragraphs of prompts for next time "
+                                                      "(also learn_passages, as in ChatCacheBlend).")
     base_url: str | None = Field(default=None, description="An OpenAI-compatible vLLM server with the CacheBlend "
                                                            "connector to answer instead of the in-process engine.")
     api_key: str | None = Field(default=None, description="The server's API key, with base_url.")
@@ -149,6 +169,26 @@ class CacheBlendLLM(CustomLLM):
             self._engine = RemoteEngine.shared(self.base_url, self.model, api_key=self.api_key)
         else:
             self._engine = Engine.shared(self.model, store=self.store)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_names(cls, data: Any) -> Any:
+        """``learn_passages``: ChatCacheBlend's other name of ``learn``, taken here too (``learn`` wins)."""
+        if isinstance(data, dict) and "learn_passages" in data:
+            data = dict(data)
+            data.setdefault("learn", data.pop("learn_passages"))
+        return data
+
+    @model_validator(mode="after")
+    def _valid_options(self) -> CacheBlendLLM:
+        """Every option checked by the core when the object is built, not at the first call."""
+        RequestOptions.parse(self.options())
+        return self
+
+    @property
+    def learn_passages(self) -> bool:
+        """ChatCacheBlend's other name of ``learn``."""
+        return self.learn
 
     @field_validator("method")
     @classmethod
@@ -199,27 +239,42 @@ class CacheBlendLLM(CustomLLM):
     # -- translation -------------------------------------------------------------------
     def options(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """:class:`~cacheblend.config.RequestOptions` from the fields, with per-call
-        overrides (``max_tokens`` as LlamaIndex names it; ``documents`` passes through)."""
+        overrides (``max_tokens`` and ``request_timeout`` as LlamaIndex names them;
+        ``documents`` passes through).  A per-call None sets an option whose unset value is
+        None (``max_risk=None``: no limit) and leaves any other at the field's value."""
         overrides = dict(overrides or {})
-        if "max_tokens" in overrides:
-            overrides["max_new_tokens"] = overrides.pop("max_tokens")
-        RequestOptions.check_names({k: v for k, v in overrides.items() if k != "documents"}, "CacheBlendLLM")
+        for name, core in _RENAMED:
+            if name in overrides:
+                value = overrides.pop(name)
+                overrides[core] = value if value is not None else overrides.get(core)
+        documents = overrides.pop("documents", None)
+        RequestOptions.check_names(overrides, "CacheBlendLLM")
+        overrides = {k: v for k, v in overrides.items() if v is not None or k in _NULLABLE}
         opts = {name: getattr(self, name) for name in _FIELD_OPTIONS}
         opts |= {"max_new_tokens": self.max_tokens, "timeout": self.request_timeout, "stop": tuple(self.stop)}
-        return opts | self.additional_kwargs | overrides
+        opts |= self.additional_kwargs | overrides
+        return opts if documents is None else opts | {"documents": documents}
 
     @staticmethod
     def to_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+        """Messages as the engine's dicts; roles by the core's one table (tool and unknown
+        roles refused), and a block that is not text refused rather than dropped."""
         out = []
         for i, m in enumerate(messages):
             if not isinstance(m, ChatMessage):
                 raise CacheBlendError(f"message {i} must be a ChatMessage, got {type(m).__name__}")
-            out.append({"role": _ROLES.get(m.role, "user"), "content": m.content or ""})
+            role = chat_role(m.role, f"CacheBlendLLM (message {i})")
+            for block in m.blocks:
+                if not isinstance(block, TextBlock):
+                    kind = getattr(block, "block_type", type(block).__name__)
+                    raise CacheBlendError(f"CacheBlendLLM takes text only; message {i} has a content block of "
+                                          f"type {kind!r} ({type(block).__name__})")
+            out.append({"role": role, "content": m.content or ""})
         return out
 
     def _start_chat(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> GenerationRun:
         opts = self.options(kwargs)
-        documents = opts.pop("documents", ())
+        documents = document_texts(opts.pop("documents", None) or ())
         return self._engine.start_chat(messages, documents, **opts)
 
     def _start_completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> GenerationRun:

@@ -40,8 +40,8 @@ class CacheBlendSynthesizer(BaseSynthesizer):
     ``Response.metadata["cacheblend"]`` holds the blend stats (``reused_tokens``,
     ``recomputed_tokens``, ``ttft_s``, ...); with ``streaming=True`` that dict is filled
     in once the stream has been read to its end.  The LLM's options (method, ratio,
-    max_tokens, ...) apply; ``system`` replaces the chat template's default system
-    message, ``preamble`` is text before the chunks and ``query_template`` frames the
+    max_tokens, ...) apply; ``system`` (else the LLM's ``system_prompt``) replaces the chat
+    template's default system message, ``preamble`` is text before the chunks and ``query_template`` frames the
     query after them (``{query_str}`` is replaced)."""
 
     def __init__(self, llm: CacheBlendLLM | None = None, *, streaming: bool = False, system: str | None = None,
@@ -81,7 +81,8 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         if opts.pop("documents", None):
             raise CacheBlendError("the synthesizer takes its chunks from the nodes, not documents=")
         query = self.query_template.replace("{query_str}", query_str)
-        return self._cb_llm.engine.start(query, chunks, system=self.system, preamble=self.preamble, **opts)
+        system = self.system if self.system is not None else self._cb_llm.system_prompt  # the LLM's, unless set here
+        return self._cb_llm.engine.start(query, chunks, system=system, preamble=self.preamble, **opts)
 
     def _event(self, query_str: str, chunks: Sequence[str]) -> str:
         """An LLM callback event, so that handlers (``TokenCountingHandler``) see the call."""
