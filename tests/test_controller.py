@@ -44,3 +44,15 @@ def test_engine_auto_ratio_reports_its_choice(tmp_path, default_model_dir):
     assert second.stats.seconds["load"] > 0
     assert "disk" in engine.controller.bandwidth
     assert second.stats.recompute_ratio >= 0.2 and second.stats.controller["reason"]
+
+
+def test_an_escalated_prefill_does_not_teach_the_controller(default_engine):
+    """An escalated report's compute time counts every pass and its active tokens only the
+    last one's: fed to the controller, it inflated the compute speed estimate that picks
+    ``auto`` ratios."""
+    handles = default_engine.ingest(PASSAGES)
+    ctl = default_engine.controller
+    default_engine.generate(QUERY, handles, recompute_ratio=0.15, max_new_tokens=1)
+    before = ctl.compute_s_per_token_layer
+    r = default_engine.generate(QUERY, handles, recompute_ratio="guard", max_risk=0.0, max_new_tokens=1)
+    assert r.stats.escalated and ctl.compute_s_per_token_layer == before

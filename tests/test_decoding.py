@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cacheblend.generate.sampling import TextStream
 from conftest import PASSAGES, QUERY
@@ -93,3 +94,38 @@ def test_pieces_can_be_pulled_from_different_threads(default_engine):
             break
         pieces.append(piece)
     assert "".join(pieces) == expected == gen.result.text
+
+
+def test_a_character_cut_off_by_the_token_limit_is_in_neither_the_stream_nor_the_text(default_engine):
+    """SmolLM2 spells an emoji in three tokens: an answer that stopped after the first of
+    them streamed "I like " but its text ended in U+FFFD."""
+    tok = default_engine.tokenizer
+    ids = tok("I like \U0001F389 parties", add_special_tokens=False)["input_ids"]
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    s = TextStream(tok)
+    streamed = "".join(s.push(i) for i in ids[:cut]) + s.flush()
+    assert streamed == s.text and "\ufffd" not in s.text
+
+
+def test_a_tiny_temperature_samples_the_top_token(default_engine):
+    """temperature=1e-40 overflowed the scaled logits to inf and the softmax to NaN, and
+    torch.multinomial raised after the prefill."""
+    from cacheblend.config import SamplingConfig
+    from cacheblend.generate.sampling import Sampler
+
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    for t in (1e-40, 1e-320):
+        assert Sampler(SamplingConfig(temperature=t, seed=0))(logits) == 1
+    r = default_engine.generate(QUERY, PASSAGES, temperature=1e-40, seed=1, max_new_tokens=4)
+    assert r.token_ids == default_engine.generate(QUERY, PASSAGES, max_new_tokens=4).token_ids
+
+
+def test_the_explorer_reports_decode_time_per_token_not_per_piece(default_engine):
+    """The UI divided by the streamed pieces, which may hold several tokens each."""
+    from cacheblend.ui.live import stream_answer
+
+    *_, answer = stream_answer(default_engine, QUERY, PASSAGES, "blend", 0.15, 12)
+    s = answer.stats
+    assert s["new_tokens"] > 1
+    expected = s["seconds"]["decode"] / (s["new_tokens"] - 1) * 1000
+    assert answer.decode_ms_per_token == pytest.approx(expected)

@@ -85,6 +85,21 @@ def test_an_abandoned_stream_gives_its_buffer_back(default_engine):
     assert pool.idle_bytes > 0
 
 
+def test_devices_match_by_the_index_they_resolve_to():
+    """``torch.device("cuda") != torch.device("cuda:0")``: the pool compared them as written and
+    never reused a buffer on a GPU."""
+    from unittest import mock
+
+    from cacheblend.generate.kv_pool import _same_device
+
+    assert _same_device(torch.device("cpu"), torch.device("cpu"))
+    assert not _same_device(torch.device("cpu"), torch.device("cuda"))
+    with mock.patch("torch.cuda.current_device", return_value=0):
+        assert _same_device(torch.device("cuda:0"), torch.device("cuda"))
+        assert not _same_device(torch.device("cuda:1"), torch.device("cuda"))
+    assert _same_device(torch.device("cuda:1"), torch.device("cuda:1"))
+
+
 def test_the_setting_is_checked():
     with pytest.raises(CacheBlendError, match="reuse_kv_buffer"):
         EngineConfig(reuse_kv_buffer="yes")  # type: ignore[arg-type]

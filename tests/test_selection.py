@@ -120,6 +120,16 @@ def test_guard_climbs_the_ladder(default_engine):
     assert r.stats.escalated and r.stats.ratio_used > plain.stats.ratio_used
 
 
+def test_the_guard_also_watches_a_blend_at_ratio_zero(default_engine):
+    """The guard was skipped at ratio 0, the riskiest setting: an explicit 0 with a risk limit,
+    or guard mode with ``quality_floor=0``, came back approximate, never escalated."""
+    handles = default_engine.ingest(PASSAGES)
+    for options in (dict(recompute_ratio=0.0, max_risk=0.0), dict(recompute_ratio="guard", quality_floor=0.0,
+                                                                  max_risk=0.0)):
+        r = default_engine.generate(QUERY, handles, method="blend", max_new_tokens=1, **options)
+        assert r.stats.escalated and r.stats.exact, options
+
+
 def test_receipt_says_exact_or_approximate(default_engine):
     handles = default_engine.ingest(PASSAGES)
     for method, exact in (("full", True), ("prefix", True), ("reuse", False), ("blend", False)):

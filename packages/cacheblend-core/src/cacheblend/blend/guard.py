@@ -26,8 +26,8 @@ def guarded_prefill(decoder: Decoder, segments: list[Segment], kv: KVCache, blen
     until it is trusted (the last rung, 1.0, is exact).  The report's ``compute_s`` counts
     every pass."""
     report = fused_prefill(decoder, segments, kv, blend, prefetch=prefetch, deadline=deadline)
-    if (blend.max_risk is None and blend.max_exposure is None) or blend.recompute_ratio == 0.0:
-        return report
+    if blend.max_risk is None and blend.max_exposure is None:
+        return report  # (at ratio 0 no chunk token is computed, so only the risk limit can act)
     spent = report.compute_s + report.load_s
     for ratio in blend.guard_ladder:
         if within_guard(report, blend):

@@ -88,7 +88,8 @@ class Generation:
 
     def _observe(self, segments: list[Segment], report: FusionReport) -> None:
         ctl = self.engine.controller
-        ctl.observe_compute(report.compute_s, sum(report.active_per_layer))
+        if not report.escalated:  # an escalated report's compute_s counts every pass, its tokens the last one's
+            ctl.observe_compute(report.compute_s, sum(report.active_per_layer))
         lazy = _lazy(segments)
         tiers = {s.cached.tier for s in lazy}  # type: ignore[union-attr]
         if len(tiers) == 1 and report.load_s > 0:

@@ -44,7 +44,7 @@ class KVPool:
             with self._lock:
                 idle = self._idle
                 if idle is not None and idle[0].numel() >= numel and idle[0].dtype == shape.dtype \
-                        and idle[0].device == torch.device(device):
+                        and _same_device(idle[0].device, torch.device(device)):
                     storage, self._idle = idle, None
         return KVCache(shape, capacity, device, storage=storage)
 
@@ -63,3 +63,13 @@ class KVPool:
         """Bytes held by the idle buffer (0 when none)."""
         idle = self._idle
         return 0 if idle is None else sum(t.numel() * t.element_size() for t in idle)
+
+
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    """``cuda`` names the current CUDA device, which a buffer reports as ``cuda:0``: equal
+    devices by the index each resolves to (``torch.device("cuda") != torch.device("cuda:0")``)."""
+    if have.type != want.type:
+        return False
+    if want.index is None and want.type == "cuda":
+        return have.index == torch.cuda.current_device()
+    return have.index == want.index

@@ -25,7 +25,11 @@ class Sampler:
         cfg = self.config
         if cfg.temperature == 0.0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float().cpu() / cfg.temperature, dim=-1)
+        # Shifted so the largest is 0 before the division: a tiny temperature (1e-40) then takes
+        # the others to -inf, not the logits to inf and the softmax to NaN.
+        # In float64, where a denormal temperature (1e-320) is not rounded to 0.
+        logits = logits.double().cpu()
+        probs = torch.softmax((logits - logits.max()) / cfg.temperature, dim=-1)
         if cfg.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             outside = torch.cumsum(sorted_p, 0) - sorted_p >= cfg.top_p
@@ -60,7 +64,11 @@ class TextStream:
         return self._emit(max(self.emitted, len(text) - self.hold))
 
     def flush(self) -> str:
-        return self._emit(len(self.text.rstrip("\ufffd")))
+        """The rest of the text, less a character the answer stopped in the middle of (its
+        bytes span tokens that were never decoded): dropped from ``text`` too, so the
+        streamed pieces join to exactly the result's text."""
+        self.text = self.text.rstrip("\ufffd")
+        return self._emit(len(self.text))
 
     def _emit(self, upto: int) -> str:
         piece = self.text[self.emitted : upto]

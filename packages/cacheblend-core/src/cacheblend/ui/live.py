@@ -70,7 +70,11 @@ def stream_answer(backend: Any, query: str, passages: list[str], method: str, ra
         yield answer
     result = run.result
     answer.ttft_s = result.ttft_s if result is not None else (first or t0) - t0
-    if first is not None and count > 1:
+    decode_s = result.stats.seconds.get("decode") if result is not None else None
+    if decode_s is not None and result is not None and result.stats.new_tokens > 1:
+        # the engine's own decode time per token: a streamed piece may hold several tokens
+        answer.decode_ms_per_token = decode_s / (result.stats.new_tokens - 1) * 1000
+    elif first is not None and count > 1:  # a server's answer: per streamed piece, the best there is
         answer.decode_ms_per_token = (time.perf_counter() - first) / (count - 1) * 1000
     if result is not None:
         answer.stats = result.stats.as_dict() | {"fidelity": result.metadata().get("fidelity")}
