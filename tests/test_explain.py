@@ -103,3 +103,19 @@ def test_the_explorer_offers_musique_dev_examples(engine):
     name = next(iter(explorer.examples))
     passages, question = explorer.pick(name)
     assert name.startswith("musique dev 0") and len(split_passages(passages)) == 6 and question
+
+
+def test_an_explanation_over_a_damaged_store_recomputes_the_damaged_entry(tiny_model, tmp_path):
+    """``explain`` read the chunk caches outside the request path's retry: an entry damaged
+    on disk raised CorruptEntry out of the explanation."""
+    engine = Engine.load(tiny_model, store=f"disk:{tmp_path / 'kv'}")
+    handles = engine.ingest(PASSAGES)
+    path = engine.store.path(handles[0].key)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x55  # the last layer's bytes
+    path.write_bytes(bytes(data))
+    damaged = Engine.load(tiny_model, store=f"disk:{tmp_path / 'kv'}")
+    reference = Engine.load(tiny_model, store="memory").explain(QUERY, PASSAGES, answers=False)
+    out = damaged.explain(QUERY, handles, answers=False, attention_layer=1)
+    torch.testing.assert_close(out.deviation, reference.deviation)
+    assert damaged.store.stats()["corrupt"] >= 1

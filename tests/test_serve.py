@@ -138,3 +138,59 @@ def test_serve_names_what_is_missing(tmp_path):
     out = subprocess.run([sys.executable, "-m", "cacheblend.cli", "serve", "--store", "tape:/x",
                           "--vllm-python", sys.executable], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "tape" in out.stderr
+
+
+_STAND_IN = """#!/bin/sh
+# Stands in for vLLM's interpreter in the process-handling tests: whatever it is asked to
+# run, it answers /health on the --port it is given and, like vLLM, keeps a child process
+# (its engine core) in the same process group.
+port=$(echo "$@" | sed -n 's/.*--port \\([0-9]*\\).*/\\1/p')
+sleep "9$port" &
+exec "{python}" -c "
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()
+" "$port"
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_hang_up_or_a_stop_takes_the_servers_whole_process_group_down(tmp_path, sig):
+    """``cacheblend serve`` had no SIGHUP handler: a closed terminal killed it without its
+    cleanup, and vLLM, in a session of its own, kept running with the port and the memory."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text(_STAND_IN.format(python=sys.executable))
+    stand_in.chmod(0o755)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cacheblend.cli", "serve", "--store", f"disk:{tmp_path / 'kv'}",
+                             "--port", str(port), "--vllm-python", str(stand_in), "--start-timeout", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("cacheblend serve: http"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        group = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[-2:] == ["sleep", f"9{port}"]]
+        assert group  # the stand-in's "engine core"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not _healthy(f"http://127.0.0.1:{port}/v1")
+    gone, alive = psutil.wait_procs([p for p in group if p.is_running()], timeout=10)
+    assert not alive
+
+
+def test_a_port_in_use_is_one_line_not_a_started_server(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        out = subprocess.run([sys.executable, "-m", "cacheblend.cli", "serve", "--store", f"disk:{tmp_path}",
+                              "--port", str(busy.getsockname()[1]), "--vllm-python", sys.executable],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "in use" in out.stderr and "http" not in out.stdout

@@ -184,3 +184,28 @@ def test_the_servers_command_loads_the_guard():
     cmd = VLLMServer("m", kv_transfer_config("memory"), port=1).command()
     assert cmd[cmd.index("--middleware") + 1] == "cacheblend.integrations.vllm_http.KVParamsGuard"
     assert "--middleware" not in VLLMServer("m", None, port=1).command()
+
+
+def test_the_servers_command_recomputes_failed_loads_and_refuses_prefix_caching():
+    """A load that fails must cost the request its prefill, not the request (vLLM's default
+    policy fails it); and prefix caching would reuse blended blocks as exact."""
+    config = kv_transfer_config("memory")
+    assert config["kv_load_failure_policy"] == "recompute"
+    with pytest.raises(ValueError, match="prefix caching"):
+        VLLMServer("m", config, port=1, args=("--enable-prefix-caching",)).command()
+    assert "--enable-prefix-caching" in VLLMServer("m", None, port=1, args=("--enable-prefix-caching",)).command()
+
+
+def test_a_server_does_not_start_on_a_port_something_listens_on():
+    """Something already on the port answered the health check while our server was still
+    starting (and then failed to bind): it was taken for ours."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        server = VLLMServer("m", kv_transfer_config("memory"), python="/nonexistent/python",
+                            port=busy.getsockname()[1])
+        with pytest.raises(RuntimeError, match="in use"):
+            server.start(timeout=5)
+        assert server.proc is None

@@ -21,10 +21,11 @@ The UI (``cacheblend ui``) only draws these.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -33,17 +34,19 @@ from .blend.fusor import KVCache, Segment, fused_prefill
 from .blend.hint import check_pool
 from .blend.selection import Candidates, choose, kv_deviation
 from .blend.shift import evenly_spaced
-from .cache.chunks import LookupCounter
+from .cache.chunks import ATTEMPTS, LookupCounter
 from .cache.segments import prompt_segments
 from .config import BlendConfig, RequestOptions
 from .datasets import token_f1
 from .errors import CacheBlendError
 from .results import ChunkHandle, Result
+from .store import CorruptEntry, LayerSource
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 __all__ = ["AttentionMaps", "Explanation", "PromptToken", "explain", "speed_sweep"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -154,12 +157,16 @@ def explain(engine: Engine, query: str, chunks: Sequence[ChunkHandle | str], *, 
     # computed up to the check layer, as at any ratio below 1), not from a separate full
     # prefill: the two agree only up to rounding, and where the caches are almost exact (a
     # chunk right behind the frame it was precomputed behind) rounding decides the ranking.
-    segments = prompt_segments(engine.chunks, prompt, handles, "blend", LookupCounter())
-    fresh = probe.run(segments, replace(blend, recompute_ratio=1.0), capture_layer=check)
+
+    def read() -> tuple[tuple[Tensor, Tensor], list[LayerSource], list[tuple[Tensor, Tensor]]]:
+        segments = prompt_segments(engine.chunks, prompt, handles, "blend", LookupCounter())
+        fresh = probe.run(segments, replace(blend, recompute_ratio=1.0), capture_layer=check)
+        cached = [engine.chunks.chunk_source(h, LookupCounter()) for h in handles]
+        return fresh, cached, [source.layer(check) for source in cached]
+
+    fresh, cached, at_check = _recomputing_damaged(read)
     deviation = torch.zeros(len(tokens))
-    cached = [engine.chunks.chunk_source(h, LookupCounter()) for h in handles]
-    for (start, end), source in zip(spans, cached, strict=True):
-        k, v = source.layer(check)
+    for (start, end), (k, v) in zip(spans, at_check, strict=True):
         deviation[start:end] = kv_deviation(fresh[0][:, start:end], fresh[1][:, start:end], k, v, blend.deviation)
     pool = check_pool([(a, b, src.meta) for (a, b), src in zip(spans, cached, strict=True)], blend.check_pool,
                       len(tokens), torch.device("cpu")) if blend.check_pool < 1.0 else None
@@ -205,6 +212,9 @@ class _Probe:
         for row, pos in zip(probs, active.tolist(), strict=True):
             self.rows[pos] = row
 
+    def _run_prompt(self, prompt: Any, handles: list[ChunkHandle], config: BlendConfig) -> None:
+        self.run(prompt_segments(self.engine.chunks, prompt, handles, "blend", LookupCounter()), config)
+
     def run(self, segments: list[Segment], config: BlendConfig, capture_layer: int | None = None):
         """The prefill of ``segments``; returns K (pre-RoPE) and V at ``capture_layer``."""
         eng, shape = self.engine, self.engine.decoder.shape
@@ -243,15 +253,27 @@ class _Probe:
         own[: len(prompt.prefix)] = full[: len(prompt.prefix)]  # the prefix is exact
         maps = []
         for ratio in (0.0, blend.recompute_ratio):
-            counter = LookupCounter()
-            segments = prompt_segments(eng.chunks, prompt, handles, "blend", counter)
-            self.run(segments, BlendConfig(**{**blend.__dict__, "recompute_ratio": ratio}))
+            config = BlendConfig(**{**blend.__dict__, "recompute_ratio": ratio})
+            _recomputing_damaged(functools.partial(self._run_prompt, prompt, handles, config))
             m = own.clone()
             for pos, row in self.rows.items():
                 m[pos] = row[:n]
             maps.append(m)
         bounds = [s for s, _ in spans] + [next(i for i, t in enumerate(tokens) if t.part == "question")]
         return AttentionMaps(self.layer, full, maps[0], maps[1], bounds)
+
+
+def _recomputing_damaged(read: Callable[[], T]) -> T:
+    """``read()``, again when a cache it read turned out damaged: its tier dropped the entry,
+    so the next lookup recomputes it (as :meth:`ChunkCache.fuse` does for a request); a
+    damaged store must not fail an explanation either."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return read()
+        except CorruptEntry:
+            if attempt == ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def speed_sweep(engine: Any, query: str, passages: list[str], methods: Sequence[str], ratio: float,

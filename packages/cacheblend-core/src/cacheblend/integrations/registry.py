@@ -6,7 +6,9 @@ connector's scheduler side, inside vLLM, reads them back (:class:`ChunkMatcher`)
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -16,6 +18,8 @@ _ANCHOR = 4  # chunks are indexed by their first ids; shorter chunks are not wor
 _LOCK = threading.Lock()
 
 REDIS_PASSAGES_KEY = "cacheblend:passages"  # the default namespace's set
+REDIS_TIMEOUT_S = 2.0
+log = logging.getLogger("vllm.cacheblend")
 
 
 def passages_key(namespace: str | None = None) -> str:
@@ -30,10 +34,20 @@ def _is_redis(path: str | os.PathLike) -> bool:
     return str(path).startswith(("redis://", "rediss://", "unix://"))
 
 
+@functools.lru_cache(maxsize=16)
 def _redis(url: str):
+    """One client per URL, with timeouts: the scheduler reads the registry inside vLLM's
+    step, which a Redis that stopped answering must not hold for ever."""
     import redis
 
-    return redis.Redis.from_url(url)
+    return redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+
+
+def _safe_path(path: str | os.PathLike) -> str:
+    """A registry path fit for a log line: a Redis URL without its password."""
+    from ..store.redis_tier import redact
+
+    return redact(str(path)) if _is_redis(path) else str(path)
 
 
 def register_passages(path: str | os.PathLike, texts: Iterable[str], namespace: str | None = None) -> int:
@@ -111,13 +125,20 @@ class ChunkMatcher:
                     bucket.sort(key=len, reverse=True)
 
     def refresh(self) -> None:
-        """Re-read the registry file if it changed since the last read."""
+        """Re-read the registry if it changed since the last read.  A registry that cannot
+        be read (Redis restarting, a file being replaced) keeps the passages read before,
+        with the reason logged: a scheduler that raised here took the vLLM server down."""
         if self.path is None:
             return
-        version = _registry_version(self.path, self.namespace)
-        if version is not None and version != self._mtime:
-            self._mtime = version
-            self.add(read_passages(self.path, self.namespace))
+        try:
+            version = _registry_version(self.path, self.namespace)
+            if version is not None and version != self._mtime:
+                texts = read_passages(self.path, self.namespace)
+                self._mtime = version
+                self.add(texts)
+        except Exception as e:  # noqa: BLE001 - Redis or file errors of any kind: served from what is known
+            log.warning("CacheBlend: the passage registry %s cannot be read (%s: %s); matching the %d passages "
+                        "read before", _safe_path(self.path), type(e).__name__, e, len(self._texts))
 
     def find(self, ids: Sequence[int], end_limit: int | None = None) -> list[tuple[int, int]]:
         """Non-overlapping ``(start, end)`` spans of known chunks in ``ids``, left to right,

@@ -69,7 +69,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = VLLMServer(model, connector, python=str(python), host=args.host, port=args.port,
                         log_path=Path(args.log) if args.log else None, quiet=False,
                         max_model_len=args.max_model_len, args=tuple(extra))
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # SIGHUP too (the terminal or SSH session closed): vLLM runs in its own session, so it
+    # would not get the hang-up and would keep the port and the memory after we are gone.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         server.start(timeout=args.start_timeout)
         print(f"cacheblend serve: {server.base_url} (model {model!r}; store {args.store}"
@@ -80,9 +82,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("cacheblend serve: stopping", file=sys.stderr, flush=True)
         return 0
-    except RuntimeError as e:  # vLLM exited while starting: its log's tail is in the message
-        print(f"cacheblend serve: error: {e}", file=sys.stderr)
+    except (RuntimeError, TimeoutError, ValueError) as e:  # exited or not healthy while starting, the port
+        print(f"cacheblend serve: error: {e}", file=sys.stderr)  # taken, bad vLLM arguments: one line
         return 1
     finally:
-        server.stop()
-        signal.signal(signal.SIGTERM, previous)
+        # a second Ctrl-C (or SIGTERM) while stopping must not leave vLLM running half-stopped
+        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            server.stop()
+        finally:
+            for sig, handler in (held | previous).items():
+                signal.signal(sig, handler)

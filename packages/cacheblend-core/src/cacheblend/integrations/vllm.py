@@ -26,10 +26,11 @@ stores vLLM's own K/V of the chunk after ``s`` sink ids; ``{"cacheblend": "relea
 They are checked by :func:`.kv_params.parse_kv_params`: the OpenAI server answers a bad
 one with HTTP 400 (:mod:`.vllm_http`), and here a request with a bad one runs as plain
 vLLM, with the reason in the log (the scheduler must never raise).  Run vLLM with
-``enable_prefix_caching=False`` (blended blocks must not enter vLLM's prefix cache as if
-exact).  K/V are written through the attention backend's own cache-update op; at start-up
-the worker checks its caches are on the CPU, the layout (:mod:`.paged`) and vLLM's attention
-reading a reference chunk back (:mod:`.readback`); a failure makes every request plain vLLM.
+``enable_prefix_caching=False``: blended blocks must not enter vLLM's prefix cache as if
+exact, so with it on, blending is off (every request plain vLLM, said in the log).  K/V
+are written through the attention backend's own cache-update op; at start-up the worker
+checks its caches are on the CPU, the layout (:mod:`.paged`) and vLLM's attention reading
+a reference chunk back (:mod:`.readback`); a failure makes every request plain vLLM.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
         chunk_sink = chunk_sink_for(config.chunk_sink, model.hf_config.model_type)
         self.scheduler = SchedulerSide(config, model_dir=model.model, block_size=block_size,
                                        num_layers=model.get_total_num_hidden_layers(), chunk_sink=chunk_sink,
-                                       connector=type(self).__name__)
+                                       connector=type(self).__name__,
+                                       prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
         self.worker = WorkerSide(config, model_dir=model.model, dtype=model.dtype, chunk_sink=chunk_sink,
                                  block_size=block_size, vllm_config=vllm_config, kv_cache_config=kv_cache_config)
 

@@ -29,7 +29,7 @@ class SchedulerSide:
     """Per-request state of the scheduler side, keyed by vLLM's request id."""
 
     def __init__(self, config: ConnectorConfig, *, model_dir: str, block_size: int, num_layers: int,
-                 chunk_sink: str, connector: str) -> None:
+                 chunk_sink: str, connector: str, prefix_caching: bool = False) -> None:
         self.config = config
         self.model_dir = model_dir
         self.min_tokens = config.min_tokens if config.min_tokens is not None else 2 * block_size
@@ -45,6 +45,9 @@ class SchedulerSide:
         self._receipts: dict[str, dict] = {}  # req_id -> fidelity receipt from the worker
         self._awaiting: dict[str, dict] = {}  # req_id -> marker returned before its receipt came
         self.blending_off: str | None = None  # why, when a worker's layout self-check failed
+        if prefix_caching:  # vLLM would keep blended blocks in its prefix cache and reuse them as exact
+            self.blending_off = "vLLM's prefix caching is on (start vLLM with enable_prefix_caching=False)"
+            log.warning("CacheBlend: blending is OFF, every request runs as plain vLLM: %s", self.blending_off)
 
     def _get_matcher(self) -> ChunkMatcher:
         if self._matcher is None:
@@ -69,10 +72,20 @@ class SchedulerSide:
                         spans = fit_spans(hints.chunks, len(ids))
                     except CacheBlendError as e:
                         log.warning("CacheBlend: running %s as plain vLLM: %s", request.request_id, e)
-                elif len(ids) >= self.min_tokens:
-                    spans = self._get_matcher().find(ids, end_limit=len(ids) - 1)
+                elif len(ids) >= self.min_tokens and self.config.passages is not None:
+                    spans = self._registered_spans(request.request_id, ids)
             self._spans[request.request_id] = spans
         return spans
+
+    def _registered_spans(self, req_id: str, ids: list[int]) -> list[tuple[int, int]]:
+        """Spans of registered passages in ``ids``; none (plain vLLM, the reason logged) when
+        the matcher cannot be built: an exception here would stop vLLM's engine."""
+        try:
+            return self._get_matcher().find(ids, end_limit=len(ids) - 1)
+        except Exception as e:  # noqa: BLE001 - never fatal in the scheduler
+            log.warning("CacheBlend: running %s as plain vLLM: passages cannot be matched (%s: %s)",
+                        req_id, type(e).__name__, e)
+            return []
 
     def params(self, request: Any) -> KVParams | None:
         """The request's hints over the server's defaults, checked once; None (the request
@@ -99,9 +112,11 @@ class SchedulerSide:
 
     def loaded_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens the connector provides: all but the last of a prompt holding known chunks
-        (vLLM computes at least one token itself), none otherwise."""
+        (vLLM computes at least one token itself), none otherwise.  None for a request that
+        needs every prompt position computed (prompt logprobs, ``echo`` scoring, pooling):
+        vLLM skips its own prefix cache for those, and a blend would leave them incomplete."""
         n = len(request.prompt_token_ids or [])
-        if self.blending_off is not None or not self.match(request):
+        if self.blending_off is not None or _every_position(request) or not self.match(request):
             return 0
         return max(0, n - 1 - num_computed_tokens)
 
@@ -187,6 +202,12 @@ class SchedulerSide:
             self._awaiting[request.request_id] = marker
         return {"cacheblend": marker}
 
+    def live_requests(self) -> int:
+        """How many requests this side holds state for: every table is emptied as its
+        requests finish (vLLM calls ``request_finished`` for aborted ones too)."""
+        tables = (self._spans, self._pending, self._ops, self._prefilling, self._hints, self._receipts, self._awaiting)
+        return len(set().union(*tables))
+
     def take_receipts(self, receipts: dict[str, dict]) -> None:
         """The workers' fidelity receipts of this step, kept until their requests finish.
         vLLM finishes a one-token request before it hands the connector that step's output,
@@ -194,6 +215,17 @@ class SchedulerSide:
         for req_id, receipt in receipts.items():
             if req_id in self._awaiting:
                 self._awaiting.pop(req_id)["fidelity"] = receipt
-            else:
+            elif req_id in self._hints:  # still running: kept until it finishes
                 self._receipts[req_id] = receipt
+            # else finished already, without a marker to fill (no kv_transfer_params): dropped,
+            # where it used to stay in _receipts for good
         self._awaiting.clear()  # a receipt comes in the step that blended it, or never
+
+
+def _every_position(request: Any) -> bool:
+    """Whether vLLM must compute every prompt position of ``request`` itself (it then skips
+    reading its prefix cache: ``Request.skip_reading_prefix_cache``)."""
+    if getattr(request, "skip_reading_prefix_cache", False):
+        return True
+    sampling = getattr(request, "sampling_params", None)
+    return getattr(sampling, "prompt_logprobs", None) is not None

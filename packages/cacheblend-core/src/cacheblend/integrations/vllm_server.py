@@ -50,8 +50,20 @@ def kv_transfer_config(store: str, *, passages: str | None = None, stats: str | 
     if stats:
         options["stats"] = stats
     ConnectorConfig.parse(options)
+    # "recompute": a load that fails (a store gone, a write refused) costs that request its
+    # prefill, never the request itself (vLLM's default, "fail", ends it with an error).
     return {"kv_connector": "CacheBlendConnector", "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_both", "kv_connector_extra_config": options}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": options}
+
+
+def _check_free(host: str, port: int) -> None:
+    """Raise ``RuntimeError`` if ``host:port`` cannot be bound (something listens there)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise RuntimeError(f"port {port} on {host} is in use ({e.strerror}): pick another with --port") from e
 
 
 def free_port() -> int:
@@ -87,6 +99,9 @@ class VLLMServer:
         return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
 
     def command(self) -> list[str]:
+        if self.connector is not None and "--enable-prefix-caching" in self.args:
+            raise ValueError("the CacheBlend connector needs vLLM's prefix caching off (blended blocks would be "
+                             "reused as exact); drop --enable-prefix-caching")
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", self.host, "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
                "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_model_len),
@@ -99,12 +114,21 @@ class VLLMServer:
         return cmd + list(self.args)
 
     def start(self, timeout: float = 600.0) -> VLLMServer:
+        """Start the server and wait until it is healthy.  The port must be free: a server
+        already there would answer the health check while ours is still starting (and
+        then fails to bind), and would be taken for it."""
+        _check_free(self.host, self.port)
         env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": all_cores_bind(),
                "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, **self.env}
+        command = self.command()
         log: Any = open(self.log_path, "ab") if self.log_path else (  # noqa: SIM115
             subprocess.DEVNULL if self.quiet else None)
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        finally:
+            if self.log_path:
+                log.close()  # the child holds its own copy
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -154,18 +154,21 @@ class WorkerSide:
             except Exception:  # noqa: BLE001 - a failed delete must not fail the step
                 log.exception("CacheBlend release failed")
         for load in meta.loads:
-            t0 = time.perf_counter()
+            t0, kv = time.perf_counter(), None
             try:
                 with torch.inference_mode():
                     kv = self._blend(load)
                     t1 = time.perf_counter()
                     self._write(load, kv.k, kv.v)
-                    self.engine().kv_pool.give_back(kv)
                 self.last_stats.update(blend_s=round(t1 - t0, 3), write_s=round(time.perf_counter() - t1, 3))
             except Exception:  # noqa: BLE001 - vLLM recomputes what we could not load
                 log.exception("CacheBlend load failed for %s; vLLM recomputes its blocks", load.req_id)
                 self._failed_blocks.update(load.block_ids[load.start // self.block_size :])
+                self._step_receipts.pop(load.req_id, None)  # its answer is vLLM's own, not a blend
                 continue
+            finally:
+                if kv is not None:
+                    self.engine().kv_pool.give_back(kv)
             self._record(self.last_stats)
 
     def take_load_errors(self) -> set[int]:

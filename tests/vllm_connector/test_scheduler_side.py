@@ -1,0 +1,110 @@
+"""The connector's scheduler side, driven as vLLM's scheduler drives it, without vLLM: it
+must never raise inside vLLM's step, never keep state for finished requests, and never
+report tokens as loaded for a request that needs every position computed.  The whole
+connector inside a real vLLM is tested in tests/vllm_connector."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from cacheblend.config import ConnectorConfig  # noqa: E402
+from cacheblend.integrations.registry import ChunkMatcher, register_passages  # noqa: E402
+from cacheblend.integrations.vllm_scheduler import SchedulerSide  # noqa: E402
+from cacheblend.prompt import PromptBuilder  # noqa: E402
+from conftest import PASSAGES  # noqa: E402
+
+
+def _side(model_dir, **extra) -> SchedulerSide:
+    return SchedulerSide(ConnectorConfig.parse({"store": "memory", **extra}), model_dir=str(model_dir),
+                         block_size=16, num_layers=30, chunk_sink="frame", connector="CacheBlendConnector")
+
+
+def _request(req_id: str, ids: list[int], params: dict | None = None, **kw) -> SimpleNamespace:
+    """The fields of vLLM's ``Request`` the scheduler side reads."""
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=ids, kv_transfer_params=params,
+                           sampling_params=SimpleNamespace(prompt_logprobs=kw.pop("prompt_logprobs", None),
+                                                           extra_args=None), **kw)
+
+
+def test_a_receipt_for_a_request_that_finished_already_is_not_kept(default_model_dir):
+    """A request without kv_transfer_params, blended and finished in one step (one token):
+    vLLM calls ``request_finished`` before it hands over the step's receipts, and the
+    receipt used to stay in the scheduler's table for good."""
+    side = _side(default_model_dir)
+    request = _request("r1", list(range(100)), {"chunks": [[10, 50]]})
+    assert side.loaded_tokens(request, 0) == 99
+    plain = _request("r2", list(range(100)))
+    side.finished(plain)
+    side.take_receipts({"r2": {"exact": False}})
+    marker = side.finished(request)
+    side.take_receipts({"r1": {"exact": False}})
+    assert marker is not None and marker["cacheblend"]["fidelity"] == {"exact": False}  # completed in place
+    assert side.live_requests() == 0
+
+
+@pytest.mark.parametrize("what", ["prompt_logprobs", "skip_reading_prefix_cache"])
+def test_a_request_that_needs_every_position_computed_gets_nothing_loaded(default_model_dir, what):
+    """vLLM computes every prompt position itself for prompt logprobs (``echo`` scoring) and
+    pooling; the connector reported n - 1 tokens loaded for them."""
+    side = _side(default_model_dir)
+    kw = {"prompt_logprobs": 1} if what == "prompt_logprobs" else {"skip_reading_prefix_cache": True}
+    assert side.loaded_tokens(_request("r", list(range(100)), {"chunks": [[10, 50]]}, **kw), 0) == 0
+    assert side.loaded_tokens(_request("s", list(range(100)), {"chunks": [[10, 50]]}), 0) == 99
+
+
+def test_a_registry_that_cannot_be_read_runs_requests_as_plain_vllm(default_model_dir, tmp_path, caplog):
+    """A Redis registry that is down raised out of the scheduler, which stops vLLM's engine."""
+    side = _side(default_model_dir, passages="redis://127.0.0.1:1/0")
+    with caplog.at_level(logging.WARNING, logger="vllm.cacheblend"):
+        assert side.loaded_tokens(_request("r", list(range(200))), 0) == 0
+    assert "cannot be read" in caplog.text
+
+
+def test_a_registry_read_before_survives_a_later_failure(default_model_dir, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    import cacheblend.integrations.registry as registry
+
+    prompts = PromptBuilder(AutoTokenizer.from_pretrained(str(default_model_dir)))
+    path = tmp_path / "passages.jsonl"
+    register_passages(path, PASSAGES[:1])
+    matcher = ChunkMatcher(prompts.encode, prompts.chunk_separator, path)
+    matcher.refresh()
+    ids = prompts.encode("Question first.\n\n" + PASSAGES[0] + prompts.chunk_separator + "Then the end.")
+    found = matcher.find(ids)
+
+    def broken(*args, **kwargs):
+        raise OSError("the file is being replaced")
+
+    monkeypatch.setattr(registry, "read_passages", broken)
+    path.write_text(path.read_text() + '"another passage"\n')  # changed: the next refresh reads it
+    matcher.refresh()
+    assert found and matcher.find(ids) == found
+
+
+def test_without_a_registry_no_tokenizer_is_loaded_in_the_scheduler(default_model_dir, monkeypatch):
+    """Only a registry needs the matcher (and its tokenizer, loaded inside vLLM's step)."""
+    import cacheblend.integrations.vllm_scheduler as scheduler
+
+    def no_tokenizer(*args, **kwargs):
+        raise AssertionError("a tokenizer was loaded")
+
+    monkeypatch.setattr(scheduler.AutoTokenizer, "from_pretrained", no_tokenizer)
+    assert _side(default_model_dir).loaded_tokens(_request("r", list(range(200))), 0) == 0
+
+
+def test_with_vllms_prefix_caching_on_blending_is_off(default_model_dir, caplog):
+    """vLLM keeps the blocks a request computed, external ones included, in its prefix cache:
+    blended K/V would be reused as exact by later requests, ``method="full"`` ones too.
+    Only the docs said to turn it off; offline ``LLM`` turns it on by default."""
+    with caplog.at_level(logging.WARNING, logger="vllm.cacheblend"):
+        side = SchedulerSide(ConnectorConfig.parse({"store": "memory"}), model_dir=str(default_model_dir),
+                             block_size=16, num_layers=30, chunk_sink="frame", connector="CacheBlendConnector",
+                             prefix_caching=True)
+    assert side.loaded_tokens(_request("r", list(range(100)), {"chunks": [[10, 50]]}), 0) == 0
+    assert "prefix caching" in caplog.text
