@@ -129,3 +129,35 @@ def test_the_explorer_reports_decode_time_per_token_not_per_piece(default_engine
     assert s["new_tokens"] > 1
     expected = s["seconds"]["decode"] / (s["new_tokens"] - 1) * 1000
     assert answer.decode_ms_per_token == pytest.approx(expected)
+
+
+def test_a_cancelled_async_call_stops_its_thread_at_the_next_token(default_engine):
+    """``asyncio.wait_for(llm.ainvoke(...), t)`` cancelled the awaiting task, but the engine
+    went on decoding to ``max_new_tokens`` on its thread (holding a core and its buffer)."""
+    import asyncio
+    import time
+
+    from cacheblend.aio import CallCancelled, run_in_thread
+
+    ended: list[tuple[float, BaseException | None]] = []
+
+    def work():
+        try:
+            default_engine.generate(QUERY, PASSAGES, max_new_tokens=2000, ignore_eos=True)
+        except BaseException as e:  # noqa: BLE001 - recorded for the assertion
+            ended.append((time.monotonic(), e))
+            raise
+        ended.append((time.monotonic(), None))
+
+    async def call_and_give_up():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(run_in_thread(work), timeout=3.0)
+
+    asyncio.run(call_and_give_up())
+    cancelled_at = time.monotonic()
+    while not ended and time.monotonic() - cancelled_at < 120:
+        time.sleep(0.05)
+    when, error = ended[0]
+    assert isinstance(error, CallCancelled)
+    assert when - cancelled_at < 10  # 2000 tokens take minutes
+    assert default_engine.generate(QUERY, PASSAGES, max_new_tokens=2).token_ids  # the engine serves on

@@ -1,20 +1,52 @@
 """Async access for framework adapters: the engine's work runs on worker threads so an
-event loop is never blocked by a prefill or a decode step."""
+event loop is never blocked by a prefill or a decode step.
+
+A thread cannot be stopped from outside, so a call whose awaiting task is cancelled (an
+``asyncio.wait_for`` timeout, a client gone) is stopped from inside: :func:`run_in_thread`
+hands the thread a cancel flag through a context variable (``asyncio.to_thread`` copies the
+context), and the engine checks it between layers and between tokens
+(:func:`raise_if_cancelled`), where it already checks a request's deadline.  Without it, a
+cancelled ``ainvoke`` went on decoding to ``max_tokens`` on its thread."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextvars import ContextVar
 from typing import TypeVar
 
 T = TypeVar("T")
 _DONE = object()
+_CANCEL: ContextVar[threading.Event | None] = ContextVar("cacheblend_cancel", default=None)
+
+
+class CallCancelled(BaseException):
+    """The async call that started this work was cancelled.  A ``BaseException``, as
+    ``asyncio.CancelledError`` is, so that no retry loop or ``except Exception`` takes it
+    for a failure to retry."""
+
+
+def raise_if_cancelled() -> None:
+    """Raise :class:`CallCancelled` if the async call this thread works for was cancelled."""
+    flag = _CANCEL.get()
+    if flag is not None and flag.is_set():
+        raise CallCancelled("the async call was cancelled")
 
 
 async def run_in_thread(fn: Callable[..., T], *args, **kwargs) -> T:
-    """``fn(*args, **kwargs)`` on a worker thread."""
-    return await asyncio.to_thread(fn, *args, **kwargs)
+    """``fn(*args, **kwargs)`` on a worker thread; cancelling the awaiting task stops the
+    engine's work at its next layer or token."""
+    flag = threading.Event()
+    token = _CANCEL.set(flag)
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except asyncio.CancelledError:
+        flag.set()
+        raise
+    finally:
+        _CANCEL.reset(token)
 
 
 async def iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:

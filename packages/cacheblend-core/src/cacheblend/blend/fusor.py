@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from ..aio import raise_if_cancelled
 from ..generate.decode import KVCache
 from ..models.decoder import Decoder
 from .attention import AttentionPlans
@@ -239,7 +240,9 @@ def first_token_risk(logits: Tensor) -> float:
 
 
 def check_deadline(deadline: float | None, where: str) -> None:
-    """Raise ``TimeoutError`` once ``deadline`` (``time.perf_counter()`` seconds) has passed."""
+    """Raise ``TimeoutError`` once ``deadline`` (``time.perf_counter()`` seconds) has passed,
+    and :class:`~cacheblend.aio.CallCancelled` once the async call it works for is cancelled."""
+    raise_if_cancelled()
     if deadline is not None and time.perf_counter() > deadline:
         raise TimeoutError(f"the request's timeout ran out during {where}")
 
