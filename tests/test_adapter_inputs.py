@@ -74,6 +74,8 @@ def test_one_role_policy_in_both_adapters():
             CacheBlendLLM.to_dicts([ChatMessage(role="user", content="q"), ChatMessage(role=role, content="42")])
     with pytest.raises(CacheBlendError, match="unknown message role 'wizard'"):
         chat_messages([LCChatMessage(role="wizard", content="w")])
+    with pytest.raises(CacheBlendError, match=r"AI message with tool calls.*\['lookup'\]"):
+        chat_messages([HumanMessage("q"), AIMessage("", tool_calls=[{"name": "lookup", "args": {}, "id": "1"}])])
     with pytest.raises(CacheBlendError, match="unknown message role 'wizard'"):
         chat_role("wizard", "CacheBlendLLM")
 

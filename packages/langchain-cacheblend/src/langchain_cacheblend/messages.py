@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from langchain_core.documents import Document
-from langchain_core.messages import BaseMessage, ChatMessage
+from langchain_core.messages import AIMessage, BaseMessage, ChatMessage
 
 from cacheblend import CacheBlendError
 from cacheblend.prompt import chat_role
@@ -41,6 +41,9 @@ def chat_messages(messages: list[BaseMessage]) -> list[dict[str, str]]:
     out = []
     for m in messages:
         role = m.role if isinstance(m, ChatMessage) else m.type
+        if isinstance(m, AIMessage) and m.tool_calls:  # its text alone would hide the calls it made
+            raise CacheBlendError("ChatCacheBlend cannot take an AI message with tool calls: tool calling is not "
+                                  f"supported (calls {[c.get('name') for c in m.tool_calls]})")
         out.append({"role": chat_role(role, "ChatCacheBlend"), "content": message_text(m)})
     return out
 
