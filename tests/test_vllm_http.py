@@ -61,6 +61,7 @@ def call(guard, body: bytes | dict, *, method: str = "POST", path: str = "/v1/co
 
 @pytest.mark.parametrize("params, field", [
     ({"chunks": [[0, float("inf")]]}, "chunks[0]"),
+    ({"chunks": [[i, i + 1] for i in range(257)]}, "at most 256 spans"),
     ({"cacheblend": "release", "ids": ["x"]}, "ids"),
     ({"check_layers": [1.5]}, "check_layers"),
     ({"deviation": "q"}, "deviation"),

@@ -30,6 +30,10 @@ CONNECTOR_METHODS = ("blend", "reuse", "full")  # "prefix" is vLLM's prefix cach
 OPTION_FIELDS = ("method", "recompute_ratio", "quality_floor", *SELECTION_FIELDS)
 _OP_FIELDS = {"ingest": "sink", "release": "ids"}  # the field each operation needs
 KNOWN_FIELDS = ("chunks", "cacheblend", "sink", "ids", *OPTION_FIELDS)
+# Each span costs a store lookup (and, on a miss, a precompute) inside the step that loads
+# the request, which every other request of the server waits on: a client's thousands of
+# tiny spans would stall the server.  RAG prompts carry tens.
+MAX_CHUNKS = 256
 # vLLM's own keys, passed through untouched: pre-tokenized chat prompts (``prompt_token_ids``)
 # and the disaggregated-prefill handshake (``do_remote_*``, ``remote_*``).
 _VLLM_FIELDS = ("prompt_token_ids", "do_remote_prefill", "do_remote_decode")
@@ -83,6 +87,8 @@ def _spans(value: Any) -> tuple[tuple[int, int], ...]:
         raise _fail(f"chunks must be a list of [start, end] token spans, got {value!r}")
     out: list[tuple[int, int]] = []
     for i, span in enumerate(value):
+        if i == MAX_CHUNKS:
+            raise _fail(f"chunks: at most {MAX_CHUNKS} spans per request")
         pair = list(span) if isinstance(span, (list, tuple)) else None
         if pair is None or len(pair) != 2:
             raise _fail(f"chunks[{i}] must be a [start, end] pair, got {span!r}")
