@@ -224,6 +224,27 @@ def test_store_commands_touch_only_their_own_entries(tier):
     client.delete(registry)
 
 
+def test_delete_drops_exactly_the_entrys_names_without_scanning_the_keyspace(tier):
+    """Deleting an entry (a damaged one, on the request path) ran SCAN MATCH over every key
+    of the server, seconds on a large shared Redis; the meta says which names are its own.
+    Meta that cannot be read still gets everything under the entry's name removed."""
+    client = redis.Redis.from_url(tier.url)
+
+    def scans() -> int:
+        return int(client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
+
+    def names(key: str) -> list[bytes]:
+        return list(client.scan_iter(match=tier.entry_name(key, "*")))
+
+    assert tier.put(KEY, _kv())
+    before = scans()
+    assert tier.delete(KEY)
+    assert scans() == before and names(KEY) == []
+    assert tier.put(KEY, _kv())
+    client.set(tier.entry_name(KEY, "meta"), b"{not json")
+    assert tier.delete(KEY) and names(KEY) == []
+
+
 def test_release_takes_exact_keys_only(tmp_path, redis_server, default_model_dir):
     from cacheblend import CacheBlendError, ChunkHandle
 
