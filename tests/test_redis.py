@@ -118,6 +118,20 @@ def test_a_server_that_is_not_redis_is_unreachable_not_an_error():
         server.close()
 
 
+def test_an_entry_with_a_layer_redis_evicted_is_dropped_whole(tier):
+    """Redis under maxmemory evicts single layer keys.  The read failed, but the meta stayed,
+    so every later lookup opened the entry and failed on the same layer again."""
+    tier.put(KEY, _kv())
+    redis.Redis.from_url(tier.url).delete(tier.entry_name(KEY, 1))
+    source = tier.open(KEY)
+    assert source is not None
+    from cacheblend.store import CorruptEntry
+
+    with pytest.raises(CorruptEntry, match="evicted"):
+        source.layer(1)
+    assert tier.open(KEY) is None
+
+
 def test_unreachable_server_is_a_quick_miss():
     tier = RedisStore("redis://127.0.0.1:1/0", timeout_s=0.2, backoff_s=60)
     t = time.perf_counter()

@@ -37,6 +37,7 @@ from .signing import SIGNATURE, Signer
 log = logging.getLogger("cacheblend.store")
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 _REFUSED = object()  # what ``call`` returns when the server refused a command
+_MISSING = object()  # a GET that found no value (None from ``call`` means unreachable)
 # Server answers that mean the tier is unusable as configured, not that one entry is bad.
 _UNUSABLE = ("DB index", "NOAUTH", "WRONGPASS", "NOPERM", "invalid DB")
 
@@ -60,9 +61,13 @@ class RedisSource:
         self.meta = {k: str(v) for k, v in meta.items() if k not in (digests_field, "shape")}
 
     def layer(self, index: int):
-        blob = self._tier.call(lambda r: r.get(self._tier.entry_name(self.key, index)), refused=_REFUSED)
+        name = self._tier.entry_name(self.key, index)
+        blob = self._tier.call(lambda r: _MISSING if (got := r.get(name)) is None else got, refused=_REFUSED)
+        if blob is _MISSING:  # evicted by Redis (maxmemory) or its TTL: the rest of the entry goes too,
+            self._tier.delete(self.key)  # so that the next lookup is a miss, not this read again
+            raise CorruptEntry(f"{self.key}: layer {index} missing (evicted)")
         if blob is None:
-            raise CorruptEntry(f"{self.key}: layer {index} missing (evicted or unreachable)")
+            raise CorruptEntry(f"{self.key}: layer {index} unreachable")
         try:
             if blob is _REFUSED:  # e.g. WRONGTYPE: something else sits under our name
                 raise ValueError("not a string value")
