@@ -97,6 +97,32 @@ def test_timeout_interrupts_the_fused_prefill_between_layers(engine, monkeypatch
         engine.generate(QUERY, timeout=-1)
 
 
+def test_a_request_queued_behind_other_prefills_times_out_in_the_queue(engine):
+    """Prefills run one at a time; a request waiting its turn waited out every prefill ahead
+    of it, however short its timeout (it raised only at its own first layer)."""
+    import threading
+    import time
+
+    handles = engine.ingest(PASSAGES[:2])
+    with engine.chunks.lock:  # another request's prefill, holding the turn
+        outcome: list[BaseException | None] = []
+
+        def ask():
+            try:
+                engine.generate(QUERY, handles, max_new_tokens=2, timeout=0.5)
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                outcome.append(e)
+
+        t0 = time.monotonic()
+        waiting = threading.Thread(target=ask)
+        waiting.start()
+        waiting.join(timeout=30)
+        waited = time.monotonic() - t0
+    assert isinstance(outcome[0], TimeoutError) and "wait for other requests' prefills" in str(outcome[0])
+    assert waited < 5
+
+
 def test_lone_surrogate_is_a_clear_error(engine):
     """A lone surrogate (e.g. from a badly decoded file) is named, not a tokenizers TypeError."""
     for call in (lambda: engine.ingest(["bad \ud800 text"]),

@@ -8,16 +8,17 @@ that a chunk gets the same key and the same cache whoever asks for it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from ..blend.fusor import FusionReport, KVCache, Segment, fused_prefill
+from ..blend.fusor import FusionReport, KVCache, Segment, check_deadline, fused_prefill
 from ..blend.guard import guarded_prefill
 from ..blend.hint import HINT_FIELD, encode_hint
 from ..config import BlendConfig
@@ -311,6 +312,18 @@ class ChunkCache:
         return None
 
     # -- fuse with verification --------------------------------------------------------
+    @contextlib.contextmanager
+    def _turn(self, deadline: float | None) -> Iterator[None]:
+        """The lock, waited for in short slices: a request queued behind others' prefills
+        stops waiting once its deadline passes (``TimeoutError``) or its async call is
+        cancelled, instead of waiting out every prefill before its own."""
+        while not self.lock.acquire(timeout=0.1):
+            check_deadline(deadline, "the wait for other requests' prefills")
+        try:
+            yield
+        finally:
+            self.lock.release()
+
     def fuse(self, lookup: Lookup, kv: KVCache, counter: LookupCounter,
              observe: Observe | None = None, deadline: float | None = None) -> FusionReport:
         """Run ``lookup`` and the fused prefill into ``kv``, one request at a time.
@@ -320,7 +333,7 @@ class ChunkCache:
         in-process engine and the vLLM connector's worker both prefill through here.  Past
         ``deadline`` the prefill stops between layers with ``TimeoutError``: the request's own
         KV cache is dropped, and every store entry was written whole before it began."""
-        with self.lock:
+        with self._turn(deadline):
             dropped = tier_total(self.store, "corrupt")
             for attempt in range(ATTEMPTS):
                 counter.bypass_store = attempt == ATTEMPTS - 1
