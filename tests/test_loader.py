@@ -3,6 +3,8 @@ free, either way gives the same answer, and the loading controller knows which i
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -62,3 +64,21 @@ def test_prefetch_defaults_to_the_cores_and_refuses_a_non_bool(tmp_path, default
     assert engine.chunks.prefetch is loader.pipelined(None)
     with pytest.raises(CacheBlendError, match="prefetch must be True or False"):
         Engine.load(folder, store="memory", prefetch="yes")
+
+
+def test_a_split_gguf_is_assembled_again_when_its_parts_change(tmp_path, monkeypatch):
+    """The assembled file was reused whenever its size equalled the parts': a release whose
+    parts add up to the same size kept serving the old weights."""
+    from cacheblend.models import loader as models_loader
+
+    parts = [tmp_path / "a.part", tmp_path / "b.part"]
+    parts[0].write_bytes(b"old-" * 8)
+    parts[1].write_bytes(b"tail" * 4)
+    monkeypatch.setenv("CACHEBLEND_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(models_loader, "SPLIT_GGUF", {"m": ("m.gguf", [("pkg", "a.part"), ("pkg", "b.part")])})
+    monkeypatch.setattr(models_loader, "_package_file", lambda dist, file: tmp_path / file)
+    first = models_loader.assemble_split_gguf("m")
+    assert first.read_bytes() == b"old-" * 8 + b"tail" * 4
+    parts[0].write_bytes(b"new-" * 8)  # same size, new content
+    os.utime(parts[0], ns=(1, 2))
+    assert models_loader.assemble_split_gguf("m").read_bytes() == b"new-" * 8 + b"tail" * 4

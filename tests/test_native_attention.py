@@ -226,3 +226,35 @@ def test_without_a_compiler_the_engine_decodes_with_pytorch(tmp_path, default_mo
     assert "native attention kernels are off" in out.stderr
     assert "refused: native_attention=True, but the native attention kernels cannot run" in out.stdout
     assert "no C++ compiler" in out.stdout or "AVX-512" in out.stdout
+
+
+def test_the_build_folder_follows_the_kernel_sources(tmp_path, monkeypatch):
+    """ninja rebuilds by timestamps: a source edited but older than the cached build (a
+    rollback, ``cp -p``, a Docker copy) kept the old kernels.  The folder now names the
+    sources' digest, so other sources build anew."""
+    copies = []
+    for source in native.SOURCES:
+        copy = tmp_path / source.name
+        copy.write_bytes(source.read_bytes())
+        copies.append(copy)
+    monkeypatch.setattr(native, "SOURCES", copies)
+    before = native.build_dir()
+    stat = copies[0].stat()
+    copies[0].write_bytes(copies[0].read_bytes() + b"\n// changed\n")
+    os.utime(copies[0], ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and dated as before
+    assert native.build_dir() != before
+
+
+@needs_kernel
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_one():
+    """PyTorch's build lock is a plain file it waits on for ever: a build killed mid-way left
+    it, and every later process hung in ``Decoder.__init__``."""
+    code = (
+        "from cacheblend import native\n"
+        "folder = native.build_dir(); folder.mkdir(parents=True, exist_ok=True)\n"
+        "(folder / 'lock').touch()  # as a killed build leaves it\n"
+        "print('built:', native.layer_ops() is not None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0 and "built: True" in out.stdout, out.stderr[-2000:]

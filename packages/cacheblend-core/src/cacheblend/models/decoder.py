@@ -130,7 +130,10 @@ class Decoder:
         # our attention kernels (cacheblend.native): decode steps, and float32 prefill by position
         self.decode_attention: native.DecodeAttention | None = None
         self.prefill_attention: native.PositionalAttention | None = None
-        if native_attention is not False and native.fits(self.shape.dtype, head_dim):
+        # on the CPU only: the kernels read their tensors' memory directly, so a GPU tensor's
+        # pointer would be read on the host (a crash, not a fallback)
+        on_cpu = next(hf_model.parameters()).device.type == "cpu"
+        if native_attention is not False and on_cpu and native.fits(self.shape.dtype, head_dim):
             self.decode_attention = native.decode_attention()
             if self.shape.dtype == torch.float32:
                 self.prefill_attention = native.positional_attention()
@@ -138,7 +141,8 @@ class Decoder:
             if ops is not None:  # and the layer's RMSNorm, RoPE and SiLU gate
                 self.kernels.use_native(ops)
         if native_attention and self.decode_attention is None:
-            why = native.last_failure() or f"they take float32 or bfloat16 with head_dim {native.HEAD_DIMS}"
+            why = "the model is not on the CPU" if not on_cpu else native.last_failure() or \
+                f"they take float32 or bfloat16 with head_dim {native.HEAD_DIMS}"
             raise CacheBlendError(f"native_attention=True, but the native attention kernels cannot run: {why}")
 
     @property

