@@ -66,6 +66,22 @@ def test_bad_method_and_options(engine):
         engine.generate(QUERY, temperature=1.0, top_p=0.0)
 
 
+@pytest.mark.parametrize("options, name", [
+    (dict(temperature="0.5"), "temperature"), (dict(temperature=True), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(top_p="1"), "top_p"),
+    (dict(seed=2**64), "seed"),  # torch.Generator raised "Overflow when unpacking long long" after the prefill
+    (dict(method="full", recompute_ratio=float("nan")), "recompute_ratio"),
+    (dict(method="reuse", recompute_ratio=7), "recompute_ratio"), (dict(method="full", max_risk=9.0), "max_risk"),
+])
+def test_bad_values_are_refused_by_name_before_any_work(options, name):
+    """Strings and bools were turned into floats, inf sampled noise, and the selection
+    fields went unchecked beside method="full" or "reuse"."""
+    from cacheblend.config import RequestOptions
+
+    with pytest.raises(CacheBlendError, match=name):
+        RequestOptions.parse(options)
+
+
 def test_stream_validates_before_first_piece(engine):
     with pytest.raises(CacheBlendError):
         engine.stream("", PASSAGES[:1])

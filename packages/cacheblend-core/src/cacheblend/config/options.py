@@ -165,14 +165,19 @@ class SamplingConfig:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:  # also refuses NaN
+        for name in ("temperature", "top_p"):  # numbers, not "0.5" or True, and finite (inf sampled noise)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**64):  # what torch.Generator takes
+            raise ValueError(f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
@@ -246,7 +251,8 @@ class RequestOptions:
         if isinstance(opts.recompute_ratio, str) and opts.recompute_ratio not in RATIO_MODES:
             raise CacheBlendError(f"recompute_ratio must be a share within [0, 1], 'auto' or 'guard', "
                                   f"got {opts.recompute_ratio!r}")
-        opts.blend()
+        # every selection field is checked whatever the method: a bad ratio beside method="full" is bad input too
+        (opts if opts.method == "blend" else replace(opts, method="blend")).blend()
         opts.sampling()
         return opts
 
@@ -284,10 +290,7 @@ class RequestOptions:
     def sampling(self) -> SamplingConfig:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
-            temperature, top_p = float(self.temperature), float(self.top_p)
-            if math.isnan(temperature) or math.isnan(top_p):
-                raise ValueError("temperature and top_p must be numbers, got NaN")
-            return SamplingConfig(self.max_new_tokens, temperature, top_p, stop, self.seed, self.ignore_eos)
+            return SamplingConfig(self.max_new_tokens, self.temperature, self.top_p, stop, self.seed, self.ignore_eos)
         except (TypeError, ValueError) as e:
             raise CacheBlendError(str(e)) from e
 
