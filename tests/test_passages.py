@@ -31,6 +31,16 @@ def test_index_finds_passages_anywhere_longest_first():
     assert "short" not in index and len(index) == 2
 
 
+def test_a_passage_is_never_found_inside_a_longer_word():
+    """Short passages were found with ``str.find`` anywhere: "art" inside "start", "party"
+    and "smart" made three chunks, and the prompt was tokenized around them."""
+    index = PassageIndex(anchor=8)
+    index.add("art")
+    index.add("alpha beta gamma delta")
+    text = "The start of the party was smart; art (art). Xalpha beta gamma delta, alpha beta gamma deltas."
+    assert [text[s.start:s.end] for s in index.find(text)] == ["art", "art"]
+
+
 def test_paragraphs_and_cut_keep_the_question_and_take_the_blank_line():
     long_a, long_b = "A" * 30, "B" * 30
     text = f"Intro.\n\n{long_a}\n\n{long_b}\n\nQuestion: {'Q' * 40}"
@@ -150,6 +160,18 @@ def test_a_passage_pasted_without_its_surrounding_whitespace_is_still_found(engi
     assert first.stats.chunks == 1 and first.stats.chunks_learned == 0
     again = _run(engine.start_chat(messages, **GEN))  # stored in the background after the first call
     assert again.stats.store_hits >= 2 and again.stats.reused_tokens > first.stats.reused_tokens
+
+
+def test_a_document_already_in_the_message_is_not_pasted_again_for_its_whitespace(engine):
+    """``documents=[doc + " "]`` beside a message holding ``doc``: the document went in a
+    second time, and the prompt held the passage twice."""
+    from cacheblend.chat import plan_chat
+
+    messages = [{"role": "user", "content": f"Context:\n{PASSAGES[0]}\n\nQuestion: {QUERY}"}]
+    for doc in (PASSAGES[0] + " ", " " + PASSAGES[0], PASSAGES[0] + "\r\n"):
+        plan = plan_chat(engine.prompts, engine.passages, messages, [doc], learn=False)
+        assert len(plan.prompt.chunks) == 1
+        assert engine.tokenizer.decode(plan.prompt.all_ids).count(PASSAGES[0]) == 1
 
 
 def test_a_passage_text_is_tokenized_once_while_it_recurs(engine, monkeypatch):

@@ -67,7 +67,9 @@ def plan_chat(
     docs = check_documents(documents)
     for d in docs:
         passages.add(d)
-    missing = [d for d in docs if not any(d in m["content"] for m in msgs)]
+    # stripped, as the index finds them: a document given with a trailing space or newline
+    # that the message already holds was pasted in a second time
+    missing = [d for d in docs if not any(d.strip() in m["content"] for m in msgs)]
     if missing:
         users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
         if not users:

@@ -123,14 +123,23 @@ class PassageIndex:
                 bucket = self._by_anchor.get(text[i : i + a])
                 if bucket:
                     for cand in bucket:
-                        if text.startswith(cand, i):
+                        if text.startswith(cand, i) and _whole(text, i, i + len(cand)):
                             starts[i] = max(starts.get(i, 0), i + len(cand))
         for cand in self._short:
             i = text.find(cand)
             while i >= 0:
-                starts[i] = max(starts.get(i, 0), i + len(cand))
+                if _whole(text, i, i + len(cand)):
+                    starts[i] = max(starts.get(i, 0), i + len(cand))
                 i = text.find(cand, i + 1)
         return starts
+
+
+def _whole(text: str, start: int, end: int) -> bool:
+    """Whether ``text[start:end]`` is not cut out of a longer word: a short passage ("art")
+    was found inside "start" and "party", and the prompt tokenized around it."""
+    cut_before = 0 < start and text[start - 1].isalnum() and text[start].isalnum()
+    cut_after = end < len(text) and text[end - 1].isalnum() and text[end].isalnum()
+    return not (cut_before or cut_after)
 
 
 def paragraphs(text: str, min_chars: int) -> list[Span]:
