@@ -108,6 +108,18 @@ def test_version_and_debug():
     assert out.returncode != 0 and "Traceback" in out.stderr
 
 
+@pytest.mark.parametrize("action", ["clear", "verify", "gc"])
+def test_store_commands_on_an_unreachable_redis_fail_instead_of_reporting_success(action):
+    """The Redis tier turns a connection error into a miss, right for a request; the
+    maintenance commands took that for success ('"cleared": true', exit 0)."""
+    from cacheblend.integrations.vllm_server import free_port
+
+    port = free_port()  # nothing listens there
+    out = subprocess.run([sys.executable, "-m", "cacheblend.cli", "store", action, "--yes", "--store",
+                          f"redis://127.0.0.1:{port}/0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "could not be reached" in out.stderr, (out.stdout, out.stderr)
+
+
 def test_ask_options_and_ingest_says_what_it_stored(tmp_path, default_model_dir):
     model = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
     chunk = tmp_path / "c.txt"

@@ -101,8 +101,9 @@ def cmd_store(args) -> int:
 
     store = open_store(_default_store(args.store), create=False)
     tiers = store.tiers if isinstance(store, TieredStore) else [store]
-    out = []
+    out, failed = [], []
     for tier in tiers:
+        failures = _failures(tier)
         name = tier.stats().get("tier", type(tier).__name__)
         if args.action == "stats":
             out.append(tier.stats())
@@ -119,8 +120,19 @@ def cmd_store(args) -> int:
                 return 1
             tier.clear()
             out.append({"tier": name, "cleared": True})
+        if _failures(tier) > failures:  # a tier that degrades on the request path must not look done here
+            failed.append(f"the {name} tier could not be reached or refused ({getattr(tier, 'last_error', None)})")
+            out.append({"tier": name, "error": failed[-1]})
     print(json.dumps(out, indent=2))
-    return 0
+    for message in failed:
+        print(f"cacheblend: error: {message}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _failures(tier: object) -> int:
+    """Commands a tier could not carry out: a Redis tier counts them (unreachable, refused)
+    instead of raising, which is right for a request and wrong for a maintenance command."""
+    return int(getattr(tier, "unreachable", 0)) + int(getattr(tier, "refused", 0))
 
 
 def cmd_ui(args) -> int:
