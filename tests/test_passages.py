@@ -31,14 +31,28 @@ def test_index_finds_passages_anywhere_longest_first():
     assert "short" not in index and len(index) == 2
 
 
+def test_the_question_is_not_learned_when_a_prefilled_answer_follows_it(engine):
+    """Only the last message's last paragraph was kept from learning: with an assistant turn
+    after the question (a prefilled answer), the question became a chunk."""
+    from cacheblend.chat import plan_chat
+
+    question = "Which of these passages says the most about how the violin came to be played? " * 3
+    messages = [{"role": "user", "content": "\n\n".join(PASSAGES) + "\n\n" + question},
+                {"role": "assistant", "content": "The passage"}]
+    plan = plan_chat(engine.prompts, PassageIndex(), messages, learn_min_chars=60)
+    assert plan.learned and all(question.strip() not in p for p in plan.learned)
+
+
 def test_a_passage_is_never_found_inside_a_longer_word():
     """Short passages were found with ``str.find`` anywhere: "art" inside "start", "party"
     and "smart" made three chunks, and the prompt was tokenized around them."""
     index = PassageIndex(anchor=8)
     index.add("art")
     index.add("alpha beta gamma delta")
-    text = "The start of the party was smart; art (art). Xalpha beta gamma delta, alpha beta gamma deltas."
+    text = "The start of the party was smart; art (art)."
     assert [text[s.start:s.end] for s in index.find(text)] == ["art", "art"]
+    glued = "['first line\\nalpha beta gamma delta']"  # long passages may touch letters (a repr's "\\n")
+    assert [glued[s.start:s.end] for s in index.find(glued)] == ["alpha beta gamma delta"]
 
 
 def test_paragraphs_and_cut_keep_the_question_and_take_the_blank_line():

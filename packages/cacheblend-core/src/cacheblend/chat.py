@@ -60,7 +60,7 @@ def plan_chat(
 ) -> ChatPlan:
     """Known passages (in ``passages``, or given as ``documents``) are found in the message
     contents by their text; with ``learn``, long paragraphs of system and user contents
-    become chunks too, except the last paragraph of the last message.  ``documents`` not
+    become chunks too, except the last paragraph of the last user message (the question).  ``documents`` not
     already in the messages go in front of the last user message.  Adds the documents and
     learned paragraphs to ``passages``."""
     msgs = check_messages(messages)
@@ -77,12 +77,15 @@ def plan_chat(
         last = users[-1]
         msgs[last] = {"role": "user", "content": "".join(d + "\n\n" for d in missing) + msgs[last]["content"]}
     pieces: list[Piece] = []
+    # the question is the last paragraph of the last user message, also when an assistant
+    # turn follows it (a prefilled answer): it used to be learned as a chunk there
+    question = {len(msgs) - 1, max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=-1)}
     for text, i in prompts.chat_parts(msgs):
         if i is None:
             pieces.append(Piece(text))
             continue
         learnable = learn and msgs[i]["role"] in ("system", "user")
-        pieces += cut(text, passages, learn_min_chars if learnable else None, keep_tail=i == len(msgs) - 1)
+        pieces += cut(text, passages, learn_min_chars if learnable else None, keep_tail=i in question)
     prompt = layout(prompts, pieces)
     learned = [p.passage for p in pieces if p.learned and p.passage]
     for passage in learned:

@@ -123,7 +123,7 @@ class PassageIndex:
                 bucket = self._by_anchor.get(text[i : i + a])
                 if bucket:
                     for cand in bucket:
-                        if text.startswith(cand, i) and _whole(text, i, i + len(cand)):
+                        if text.startswith(cand, i):
                             starts[i] = max(starts.get(i, 0), i + len(cand))
         for cand in self._short:
             i = text.find(cand)
@@ -136,7 +136,9 @@ class PassageIndex:
 
 def _whole(text: str, start: int, end: int) -> bool:
     """Whether ``text[start:end]`` is not cut out of a longer word: a short passage ("art")
-    was found inside "start" and "party", and the prompt tokenized around it."""
+    was found inside "start" and "party", and the prompt tokenized around it.  Only short
+    passages are held to it: a long one is not found by accident, and templates do glue
+    passages to letters (a Python list's repr joins lines with an escaped "\\n")."""
     cut_before = 0 < start and text[start - 1].isalnum() and text[start].isalnum()
     cut_after = end < len(text) and text[end - 1].isalnum() and text[end].isalnum()
     return not (cut_before or cut_after)
