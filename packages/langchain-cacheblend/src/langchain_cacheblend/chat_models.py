@@ -33,9 +33,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _D = RequestOptions()  # the core's defaults: the same options, names and defaults as every entry point
 # Request options that are fields here under the core's own name (max_tokens and stop are LangChain's names).
 _FIELD_OPTIONS = [n for n in RequestOptions.names() if n not in ("max_new_tokens", "stop")]
-# Options whose unset value is None (max_risk, seed, timeout, ...): a per-call None sets them
-# to None.  A per-call None for any other option means this object's own value (as in CacheBlendLLM).
-_NULLABLE = frozenset(name for name, value in _D.as_dict().items() if value is None)
 
 
 class ChatCacheBlend(BaseChatModel):
@@ -342,12 +339,6 @@ def _or(value: Any, field: Any) -> Any:
 
 
 def _per_call(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Per-call options under the core's names: ``max_tokens`` and ``learn_passages`` renamed,
-    every name checked, and None kept only where None is the option's unset value."""
-    kwargs = dict(kwargs)
-    for name, core in (("max_tokens", "max_new_tokens"), ("learn_passages", "learn")):
-        if name in kwargs:
-            value = kwargs.pop(name)
-            kwargs[core] = value if value is not None else kwargs.get(core)
-    RequestOptions.check_names(kwargs, "ChatCacheBlend")
-    return {name: value for name, value in kwargs.items() if value is not None or name in _NULLABLE}
+    """Per-call options under the core's names (:meth:`RequestOptions.per_call`)."""
+    return RequestOptions.per_call(kwargs, {"max_tokens": "max_new_tokens", "learn_passages": "learn"},
+                                   "ChatCacheBlend")

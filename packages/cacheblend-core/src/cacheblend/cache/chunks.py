@@ -180,9 +180,7 @@ class ChunkCache:
         if not is_entry_key(handle.key):
             raise CacheBlendError(f"release takes a chunk key (64 hex digits), got {handle.key!r:.80}")
         with self.lock:
-            self._hinting.wait(handle.key)
-            if handle.token_ids:
-                self._hinting.wait(self._entry(handle)[0])
+            self._hinting.wait(self._entry(handle)[0] if handle.token_ids else handle.key)  # backfills go by entry
             return bool(self.store.delete(handle.key))
 
     def _prefill_kv(self, ids: list[int], keep_from: int = 0) -> ChunkKV:

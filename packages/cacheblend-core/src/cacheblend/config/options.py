@@ -228,6 +228,21 @@ class RequestOptions:
         return [f.name for f in fields(cls)]
 
     @classmethod
+    def per_call(cls, options: Mapping[str, Any], renamed: Mapping[str, str], where: str) -> dict[str, Any]:
+        """An adapter's per-call options under the core's names (``renamed``: the adapter's
+        name to the core's), every name checked.  One rule for every adapter: None for an
+        option whose unset value is None (``max_risk``, ``seed``, ``timeout``) sets it to
+        None; None for any other means "not given", so the adapter's own value applies."""
+        out = dict(options)
+        for name, core in renamed.items():
+            if name in out:
+                value = out.pop(name)
+                out[core] = value if value is not None else out.get(core)
+        cls.check_names(out, where)
+        nullable = {name for name, value in cls().as_dict().items() if value is None}
+        return {name: value for name, value in out.items() if value is not None or name in nullable}
+
+    @classmethod
     def check_names(cls, options: Mapping[str, Any], where: str = "") -> None:
         """Raise the one error every entry point gives for an option it does not know."""
         unknown = sorted(set(options) - set(cls.names()))

@@ -90,8 +90,8 @@ class TieredStore:
         if background and len(tiers) > 1:
             self._queue = queue.Queue()
             ref = weakref.ref(self)
-            threading.Thread(target=_write_behind, args=(ref, self._queue), name="cacheblend-store-writer",
-                             daemon=True).start()
+            threading.Thread(target=_write_behind, args=(self._queue, self.stats_counts),
+                             name="cacheblend-store-writer", daemon=True).start()
             weakref.finalize(self, self._queue.put, None)  # a store nobody holds stops its writer
             atexit.register(_flush_at_exit, ref)
 
@@ -146,21 +146,19 @@ class TieredStore:
                 "background_writes": c.background_writes, "failed_writes": c.failed_writes}
 
 
-def _write_behind(ref: weakref.ref[TieredStore], jobs: queue.Queue) -> None:
-    """The store's background writer.  It holds the store only to count a write, so a store
-    that nobody uses any more is collected (with the tensors of its memory tier) and its
-    finalizer's ``None`` ends this thread after the writes queued before it."""
+def _write_behind(jobs: queue.Queue, counts: TierStats) -> None:
+    """The store's background writer.  It holds the queue and the counters, not the store,
+    so a store that nobody uses any more is collected (with the tensors of its memory tier)
+    and its finalizer's ``None`` ends this thread after the writes queued before it."""
     while (job := jobs.get()) is not None:
         tier, key, kv = job
         try:
             ok = tier.put(key, kv)
         except Exception:  # a tier's failure must never take the writer down
             ok = False
-        store = ref()
-        if store is not None:
-            store.stats_counts.background_writes += 1
-            store.stats_counts.failed_writes += not ok
-        del store, job, tier, kv
+        counts.background_writes += 1
+        counts.failed_writes += not ok
+        del job, tier, kv  # not held while waiting for the next job
         jobs.task_done()
     jobs.task_done()
 

@@ -43,10 +43,7 @@ _D = RequestOptions()  # the core's defaults: the same options, names and defaul
 # its own way: max_tokens (max_new_tokens) and request_timeout (timeout).
 _FIELD_OPTIONS = [n for n in RequestOptions.names() if n not in ("max_new_tokens", "timeout")]
 # Per-call names of this adapter (and ChatCacheBlend's former name of learn) for core options.
-_RENAMED = (("max_tokens", "max_new_tokens"), ("request_timeout", "timeout"), ("learn_passages", "learn"))
-# Options whose unset value is None (max_risk, seed, timeout, ...): a per-call None sets them
-# to None.  A per-call None for any other option means this object's own value (as in ChatCacheBlend).
-_NULLABLE = frozenset(name for name, value in _D.as_dict().items() if value is None)
+_RENAMED = {"max_tokens": "max_new_tokens", "request_timeout": "timeout", "learn_passages": "learn"}
 
 
 def raw_of(result: Result) -> dict[str, Any]:
@@ -243,13 +240,8 @@ class CacheBlendLLM(CustomLLM):
         ``documents`` passes through).  A per-call None sets an option whose unset value is
         None (``max_risk=None``: no limit) and leaves any other at the field's value."""
         overrides = dict(overrides or {})
-        for name, core in _RENAMED:
-            if name in overrides:
-                value = overrides.pop(name)
-                overrides[core] = value if value is not None else overrides.get(core)
         documents = overrides.pop("documents", None)
-        RequestOptions.check_names(overrides, "CacheBlendLLM")
-        overrides = {k: v for k, v in overrides.items() if v is not None or k in _NULLABLE}
+        overrides = RequestOptions.per_call(overrides, _RENAMED, "CacheBlendLLM")
         opts = {name: getattr(self, name) for name in _FIELD_OPTIONS}
         opts |= {"max_new_tokens": self.max_tokens, "timeout": self.request_timeout, "stop": tuple(self.stop)}
         opts |= self.additional_kwargs | overrides
