@@ -82,3 +82,36 @@ def test_a_split_gguf_is_assembled_again_when_its_parts_change(tmp_path, monkeyp
     parts[0].write_bytes(b"new-" * 8)  # same size, new content
     os.utime(parts[0], ns=(1, 2))
     assert models_loader.assemble_split_gguf("m").read_bytes() == b"new-" * 8 + b"tail" * 4
+
+
+def test_a_hung_layer_read_ends_the_request_at_its_deadline(tmp_path, default_model_dir, monkeypatch):
+    """A prefetched read that hangs (a stalled network mount) held the fused prefill until
+    the read returned, whatever the request's timeout: the fusor waited on the read with no
+    limit, and closing the loader waited for the read in flight again."""
+    import threading
+    import time
+
+    from cacheblend.store import disk_source
+
+    folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    engine = Engine.load(folder, store=f"disk:{tmp_path / 'kv'}", prefetch=True)
+    handles = engine.ingest(PASSAGES)
+    release = threading.Event()
+    read = disk_source.DiskSource.layer_into
+
+    def hanging(self, index, *args):
+        if index >= 1:
+            release.wait(30)
+        return read(self, index, *args)
+
+    monkeypatch.setattr(disk_source.DiskSource, "layer_into", hanging)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="waiting for a cached layer"):
+            engine.generate(QUERY, handles, recompute_ratio=0.3, max_new_tokens=2, timeout=1.0)
+        waited = time.monotonic() - t0
+    finally:
+        release.set()
+    assert waited < 10
+    monkeypatch.setattr(disk_source.DiskSource, "layer_into", read)
+    assert engine.generate(QUERY, handles, recompute_ratio=0.3, max_new_tokens=2).token_ids  # the engine goes on

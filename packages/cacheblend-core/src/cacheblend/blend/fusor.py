@@ -117,7 +117,9 @@ def fused_prefill(
 
     plans = AttentionPlans(active, shape.dtype, shape.groups, dec.prefill_attention)
     tables = cos[active], sin[active]  # the active rows' RoPE tables, gathered once per active set
-    loader = LayerLoader([s.cached for _, _, s in reused_spans], last_read + 1, prefetch)  # type: ignore[misc]
+    loader = LayerLoader([s.cached for _, _, s in reused_spans], last_read + 1, prefetch,  # type: ignore[misc]
+                         check=lambda: check_deadline(deadline, "the fused prefill, waiting for a cached layer"))
+    finished = False
     try:
         for layer in range(shape.num_layers):
             check_deadline(deadline, f"the fused prefill, before layer {layer}")
@@ -160,8 +162,9 @@ def fused_prefill(
                 attend(layer, rows, q, kv.k[layer, :, :n])
             plan = plans[shape.windows[layer]]
             h = dec.finish(layer, h, plan(q, kv.k[layer, :, :n], kv.v[layer, :, :n], dec.scaling))
+        finished = True
     finally:
-        loader.close()
+        loader.close(wait_for_reads=finished)
 
     kv.length = n
     report = _report(lay, active, dec.logits(h[-1:])[0], loader, active_per_layer,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 from torch import Tensor
@@ -42,9 +42,22 @@ def pipelined(prefetch: bool | None) -> bool:
     return cores > torch.get_num_threads()
 
 
+POLL_S = 0.05  # how often a fusor waiting for a prefetched layer checks its deadline
+
+
 class LayerLoader:
-    def __init__(self, sources: Sequence[LayerSource], num_layers: int, prefetch: bool = True) -> None:
+    """Layers of every reused source, read ahead on one thread when ``prefetch``.
+
+    ``check`` (the request's deadline and cancel check) runs while the fusor waits for a
+    prefetched layer, so a read that hangs (a stalled network mount, a Redis server that
+    stopped answering) ends the request at its deadline rather than when the read returns.
+    A read done inline, without prefetch, cannot be interrupted: it runs on the request's
+    own thread."""
+
+    def __init__(self, sources: Sequence[LayerSource], num_layers: int, prefetch: bool = True,
+                 check: Callable[[], None] | None = None) -> None:
         self.sources = list(sources)
+        self._check = check
         self.num_layers = num_layers
         self.load_s = 0.0  # time spent reading layers (in the worker, or inline)
         self.exposed_s = 0.0  # time the fusor waited for a layer
@@ -73,6 +86,8 @@ class LayerLoader:
             self._pending[layer + 1] = self._pool.submit(self._read, layer + 1)
         t = time.perf_counter()
         try:
+            while self._check is not None and not wait([future], timeout=POLL_S).done:
+                self._check()
             return future.result()
         finally:
             self.exposed_s += time.perf_counter() - t
@@ -81,9 +96,13 @@ class LayerLoader:
     def hidden_s(self) -> float:
         return max(0.0, self.load_s - self.exposed_s)
 
-    def close(self) -> None:
+    def close(self, wait_for_reads: bool = True) -> None:
+        """Stop reading ahead.  ``wait_for_reads=False`` (a prefill that failed or ran out
+        of time) leaves a read in flight to finish on its own thread, its layers unused: a
+        source only ever fills buffers of its own, so nothing the request hands back is
+        written to after it returns."""
         if self._pool is not None:
             for f in self._pending.values():
                 f.cancel()
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=wait_for_reads)
             self._pool = None
