@@ -191,6 +191,55 @@ def test_a_store_nobody_holds_is_collected_and_its_writer_ends(tmp_path):
     assert DiskStore(tmp_path).get(KEY_A) is not None  # what it had queued was written
 
 
+class _SlowTier(MemoryStore):
+    """A slower tier whose writes take ``seconds`` each (a remote Redis under load)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def put(self, key, kv):
+        import time
+
+        time.sleep(self.seconds)
+        return super().put(key, kv)
+
+
+def test_delete_does_not_wait_behind_other_keys_queued_writes(tmp_path):
+    """A delete (a request dropping a damaged entry) flushed the whole write-behind queue
+    first: it waited for every queued write to the slow tier, of every key."""
+    import time
+
+    slow = _SlowTier(0.5)
+    store = TieredStore([MemoryStore(), slow])
+    for seed in range(6):  # 3 s of queued writes to other keys
+        store.put(f"{seed:02d}" + "e" * 62, _kv(seed=seed))
+    store.put(KEY_A, _kv())
+    t0 = time.monotonic()
+    assert store.delete(KEY_A)
+    assert time.monotonic() - t0 < 1.0
+    store.flush()
+    assert slow.get(KEY_A) is None and store.get(KEY_A) is None  # the queued write was skipped
+    assert sum(slow.get(f"{seed:02d}" + "e" * 62) is not None for seed in range(6)) == 6
+    store.put(KEY_A, _kv(seed=9))  # written again after the delete: lands
+    store.flush()
+    assert torch.equal(slow.get(KEY_A).k, _kv(seed=9).k)
+
+
+def test_delete_waits_for_a_write_of_its_key_that_is_landing():
+    """A write of the key already under way when the delete comes lands first and is then
+    deleted, never after the delete."""
+    import time
+
+    slow = _SlowTier(0.5)
+    store = TieredStore([MemoryStore(), slow])
+    store.put(KEY_A, _kv())
+    time.sleep(0.1)  # the writer has taken the job
+    assert store.delete(KEY_A)
+    store.flush()
+    assert slow.get(KEY_A) is None and store.get(KEY_A) is None
+
+
 def test_a_layer_wise_read_promotes_the_whole_entry_once_and_never_a_damaged_one(tmp_path):
     """Read layer by layer from disk (as the fused prefill does), the entry reaches memory
     whole and equal once its last layer is read: each layer is copied once, into the buffer

@@ -3,7 +3,9 @@
 Reads walk the tiers; a hit in a slower tier is promoted into every faster one once all
 its layers have been read (so a layer-wise, pipelined read promotes too).  Writes go to
 the fastest tier at once and to the slower ones on a background thread, off the request
-path; ``flush()`` waits for them (and runs at interpreter exit).
+path; ``flush()`` waits for them (and runs at interpreter exit).  ``delete`` does not wait
+for the queue: a write queued before it is skipped, and only a write of the same key that
+is landing at that moment is waited for.
 """
 
 from __future__ import annotations
@@ -35,6 +37,45 @@ class TierStats:
     misses: int = 0
     background_writes: int = 0
     failed_writes: int = 0
+
+
+class _Deletions:
+    """What the background writer needs to know of deletes: each deleted key's generation
+    (a write queued under an older one is skipped, so a queued put cannot bring a deleted
+    entry back) and the key it is writing now (a delete of that key waits for it).
+
+    Why not flush the queue before a delete: a request that drops a damaged entry would
+    wait behind every queued write to a slow tier (a remote Redis), for other keys too."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.generation: dict[str, int] = {}  # deleted keys only: deletes are rare
+        self.writing: str | None = None
+
+    def of(self, key: str) -> int:
+        with self.changed:
+            return self.generation.get(key, 0)
+
+    def start(self, key: str, generation: int) -> bool:
+        """Whether a write queued under ``generation`` may still land; if so it is marked
+        as landing until :meth:`done`."""
+        with self.changed:
+            if self.generation.get(key, 0) != generation:
+                return False
+            self.writing = key
+            return True
+
+    def done(self) -> None:
+        with self.changed:
+            self.writing = None
+            self.changed.notify_all()
+
+    def delete(self, key: str) -> None:
+        """Skip the key's queued writes, and wait for one that is landing."""
+        with self.changed:
+            self.generation[key] = self.generation.get(key, 0) + 1
+            while self.writing == key:
+                self.changed.wait()
 
 
 class _PromotingSource:
@@ -87,10 +128,11 @@ class TieredStore:
         self.tiers = tiers
         self.stats_counts = TierStats(hits=[0] * len(tiers))
         self._queue: queue.Queue | None = None
+        self._deletions = _Deletions()
         if background and len(tiers) > 1:
             self._queue = queue.Queue()
             ref = weakref.ref(self)
-            threading.Thread(target=_write_behind, args=(self._queue, self.stats_counts),
+            threading.Thread(target=_write_behind, args=(self._queue, self.stats_counts, self._deletions),
                              name="cacheblend-store-writer", daemon=True).start()
             weakref.finalize(self, self._queue.put, None)  # a store nobody holds stops its writer
             atexit.register(_flush_at_exit, ref)
@@ -119,9 +161,10 @@ class TieredStore:
     # -- writes --------------------------------------------------------------------
     def put(self, key: str, kv: ChunkKV) -> bool:
         first = self.tiers[0].put(key, kv)
+        generation = self._deletions.of(key)
         for tier in self.tiers[1:]:
             if self._queue is not None:
-                self._queue.put((tier, key, kv))
+                self._queue.put((tier, key, kv, generation))
             elif not tier.put(key, kv):
                 self.stats_counts.failed_writes += 1
         return first
@@ -132,7 +175,7 @@ class TieredStore:
             self._queue.join()
 
     def delete(self, key: str) -> bool:
-        self.flush()
+        self._deletions.delete(key)
         return any([tier.delete(key) for tier in self.tiers])
 
     def clear(self) -> None:
@@ -146,18 +189,21 @@ class TieredStore:
                 "background_writes": c.background_writes, "failed_writes": c.failed_writes}
 
 
-def _write_behind(jobs: queue.Queue, counts: TierStats) -> None:
+def _write_behind(jobs: queue.Queue, counts: TierStats, deletions: _Deletions) -> None:
     """The store's background writer.  It holds the queue and the counters, not the store,
     so a store that nobody uses any more is collected (with the tensors of its memory tier)
     and its finalizer's ``None`` ends this thread after the writes queued before it."""
     while (job := jobs.get()) is not None:
-        tier, key, kv = job
-        try:
-            ok = tier.put(key, kv)
-        except Exception:  # a tier's failure must never take the writer down
-            ok = False
-        counts.background_writes += 1
-        counts.failed_writes += not ok
+        tier, key, kv, generation = job
+        if deletions.start(key, generation):
+            try:
+                ok = tier.put(key, kv)
+            except Exception:  # a tier's failure must never take the writer down
+                ok = False
+            finally:
+                deletions.done()
+            counts.background_writes += 1
+            counts.failed_writes += not ok
         del job, tier, kv  # not held while waiting for the next job
         jobs.task_done()
     jobs.task_done()
