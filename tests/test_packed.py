@@ -258,3 +258,22 @@ def test_queries_and_keys_rotated_together_equal_each_rotated_alone(pair):
                 assert torch.equal(dec.rope(q, cos, sin), q2) and torch.equal(dec.rope(k, cos, sin), k2)
                 assert torch.equal(v, v2)
                 h = dec.finish(layer, h, q)
+
+
+def test_onednn_agreement_checks_see_a_product_that_reads_its_input_out_of_order(pair, monkeypatch):
+    """The start-up checks of oneDNN's products multiplied an all-ones row by the first
+    layer's weight: every output was a weight row's sum, so a product reading its input in
+    another order (a permuted or transposed weight) passed.  Random rows on a layer's
+    products and the head catch it; the products are then not used."""
+    from cacheblend.models import onednn
+
+    packed_model, plain_model, _ = pair
+    packed = Decoder(packed_model.model, pack=True, onednn=False)
+    q_width = packed.shape.num_heads * packed.shape.head_dim
+    assert onednn.OneDnnWeights.reorder(packed.packed, q_width) is not None
+    assert onednn.in_place_products(plain_model.model)
+    reorder, linear = onednn._reorder, onednn.linear  # noqa: SLF001 - a broken reorder, on purpose
+    monkeypatch.setattr(onednn, "_reorder", lambda w: reorder(w.flip(0)))  # reads the input reversed
+    assert onednn.OneDnnWeights.reorder(packed.packed, q_width) is None
+    monkeypatch.setattr(onednn, "linear", lambda x, w, b=None: linear(x.flip(-1), w, b))
+    assert not onednn.in_place_products(plain_model.model)

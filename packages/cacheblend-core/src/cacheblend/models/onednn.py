@@ -51,6 +51,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # noqa: SLF001
 
 
+def _probe_rows(width: int, dtype: torch.dtype) -> Tensor:
+    """Two rows of fixed random values: an all-ones row sums each weight row, so it cannot
+    see a product that reads the input in another order (a transposed or permuted weight)."""
+    return torch.randn(2, width, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+def _agrees(got: Tensor, want: Tensor) -> bool:
+    """Whether two products agree to the rounding of their dtype, relative to their scale."""
+    tol = 1e-3 if want.dtype == torch.float32 else 2e-2
+    got, want = got.float(), want.float()
+    return bool((got - want).abs().max() <= tol * max(1.0, float(want.abs().max())))
+
+
 def in_place_products(hf_model: Any) -> bool:
     """Whether :func:`linear` can run on transformers' own ``[out, in]`` weights, as they
     are: every projection an ``nn.Linear`` with a dense CPU weight of a reordered dtype, and
@@ -71,12 +84,10 @@ def in_place_products(hf_model: Any) -> bool:
     if not all(type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in REORDERED_DTYPES
                and m.weight.is_contiguous() for m in mods):
         return False
-    w = mods[0].weight
-    probe = torch.ones(2, w.shape[1], dtype=w.dtype)
-    tol = 1e-3 if w.dtype == torch.float32 else 2e-2
     try:
-        with torch.no_grad():
-            return torch.allclose(linear(probe, w, mods[0].bias).float(), mods[0](probe).float(), atol=tol, rtol=tol)
+        with torch.no_grad():  # one layer's products, and the head
+            return all(_agrees(linear(x := _probe_rows(m.weight.shape[1], m.weight.dtype), m.weight, m.bias), m(x))
+                       for m in mods[:7] + mods[-1:])
     except RuntimeError as e:  # an ISA or build oneDNN does not support here: transformers' products
         log.warning("cacheblend: oneDNN products unavailable (%s); the projections run through transformers", e)
         return False
@@ -125,11 +136,16 @@ class OneDnnWeights:
                     qkv_bias=p.qkv_bias, o=_reorder(p.o), o_bias=p.o_bias, gate_up=_reorder(p.gate_up),
                     down=_reorder(p.down)) for p in packed.layers)
                 head = None if packed.head is None else _reorder(packed.head)
-                probe = torch.ones(1, packed.layers[0].qkv.shape[0], dtype=packed.layers[0].qkv.dtype)
-                tol = 1e-3 if probe.dtype == torch.float32 else 2e-2
-                if not torch.allclose(linear(probe, layers[0].qkv).float(), (probe @ packed.layers[0].qkv).float(),
-                                      atol=tol, rtol=tol):
-                    raise RuntimeError("a reordered product disagrees with the plain one")
+                plain = packed.layers[-1]  # the last layer's products, and the head
+                pairs = [(layers[-1].q, plain.qkv[:, :q_width]), (layers[-1].kv, plain.qkv[:, q_width:]),
+                         (layers[-1].qkv, plain.qkv), (layers[-1].o, plain.o), (layers[-1].gate_up, plain.gate_up),
+                         (layers[-1].down, plain.down)]
+                if head is not None and packed.head is not None:
+                    pairs.append((head, packed.head))
+                for reordered, w in pairs:
+                    x = _probe_rows(w.shape[0], w.dtype)
+                    if not _agrees(linear(x, reordered), x @ w):
+                        raise RuntimeError("a reordered product disagrees with the plain one")
         except RuntimeError as e:  # an ISA or build the reorder does not support: the plain products
             log.warning("cacheblend: oneDNN weights unavailable (%s); the projections run through MKL", e)
             return None
