@@ -13,6 +13,7 @@ import torch
 from cacheblend.blend.attention import split_key_attention
 from cacheblend.blend.fusor import KVCache, Segment, fused_prefill
 from cacheblend.blend.selection import BlendConfig
+from cacheblend.cache.segments import behind_sink
 from cacheblend.models.decoder import apply_rope
 from conftest import PASSAGES, QUERY, reference_model
 
@@ -25,6 +26,18 @@ def _atol(engine) -> float:
 
 def _prompt_ids(engine, handles, query=QUERY):
     return engine.prompts.build(query, [list(h.token_ids) for h in handles], None).all_ids
+
+
+def _exact_tokens(engine, handles) -> int:
+    """Tokens reused exactly: the prompt's prefix, and the first chunk when that prefix is
+    the sink it was precomputed behind (cache/segments.py)."""
+    prefix = engine.prompts.build(QUERY, [], None).prefix
+    return len(prefix) + (handles[0].num_tokens if behind_sink(engine.chunks, prefix) else 0)
+
+
+def _approx_tokens(engine, handles) -> int:
+    prefix = len(engine.prompts.build(QUERY, [], None).prefix)
+    return sum(h.num_tokens for h in handles) - (_exact_tokens(engine, handles) - prefix)
 
 
 def test_full_matches_transformers_forward_and_generate(tiny_engine):
@@ -46,7 +59,7 @@ def test_blend_ratio_one_equals_full(tiny_engine):
     blend = tiny_engine.generate(QUERY, handles, method="blend", recompute_ratio=1.0, **GEN)
     torch.testing.assert_close(blend.first_token_logits, full.first_token_logits, atol=_atol(tiny_engine), rtol=1e-3)
     assert blend.token_ids == full.token_ids
-    assert blend.stats.reused_tokens == len(tiny_engine.prompts.build(QUERY, [], None).prefix)
+    assert blend.stats.reused_tokens == _exact_tokens(tiny_engine, handles)
 
 
 def test_blend_ratio_zero_equals_reuse(tiny_engine):
@@ -110,8 +123,7 @@ def test_recomputed_tokens_never_see_later_tokens(tiny_engine):
 def test_blend_selects_requested_share(tiny_engine, ratio):
     handles = tiny_engine.ingest(PASSAGES)
     r = tiny_engine.generate(QUERY, handles, method="blend", recompute_ratio=ratio, max_new_tokens=2)
-    n_chunk = sum(h.num_tokens for h in handles)
-    assert r.stats.recomputed_tokens == round(ratio * n_chunk)
+    assert r.stats.recomputed_tokens == round(ratio * _approx_tokens(tiny_engine, handles))
     assert r.stats.reused_tokens + r.stats.recomputed_tokens + r.stats.computed_tokens == r.stats.prompt_tokens
 
 
@@ -119,8 +131,7 @@ def test_gradual_filtering_narrows(tiny_engine):
     handles = tiny_engine.ingest(PASSAGES)
     r = tiny_engine.generate(QUERY, handles, method="blend", recompute_ratio=0.2,
                              check_layers=(1, 2, 3), gradual=True, max_new_tokens=2)
-    n_chunk = sum(h.num_tokens for h in handles)
-    assert r.stats.recomputed_tokens == round(0.2 * n_chunk)
+    assert r.stats.recomputed_tokens == round(0.2 * _approx_tokens(tiny_engine, handles))
 
 
 def test_long_prompt_decode_matches_transformers_generate(tiny_engine):
@@ -138,3 +149,30 @@ def test_long_prompt_decode_matches_transformers_generate(tiny_engine):
         ref = reference_model(tiny_engine).generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
                                                     pad_token_id=0)[0, ids.shape[1]:].tolist()
     assert full.token_ids == ref[: len(full.token_ids)]
+
+
+def test_a_chunk_right_behind_its_sink_is_reused_exactly(default_engine, tmp_path, default_model_dir):
+    """A prompt without a system message or preamble opens with the chat frame, the frame
+    sink the chunks are precomputed behind: the first chunk's cache is full prefill's there.
+    It was checked, shifted and counted as approximate, so a one-chunk prompt got an
+    approximate receipt (and a guard could escalate it) for a cache that needed nothing."""
+    from cacheblend import Engine
+
+    eng = default_engine
+    assert behind_sink(eng.chunks, eng.prompts.build(QUERY, [], None).prefix)  # SmolLM2: the frame sink
+    handles = eng.ingest(PASSAGES[:2])
+    full = eng.generate(QUERY, handles[:1], method="full", **GEN)
+    one = eng.generate(QUERY, handles[:1], recompute_ratio=0.15, **GEN)
+    assert one.stats.exact and one.stats.recomputed_tokens == 0 and one.stats.risk == 0.0
+    assert one.stats.exact_cached_tokens == len(eng.prompts.build(QUERY, [], None).prefix) + handles[0].num_tokens
+    torch.testing.assert_close(one.first_token_logits, full.first_token_logits, atol=1e-3, rtol=1e-3)
+    assert one.token_ids == full.token_ids
+    two = eng.generate(QUERY, handles, recompute_ratio=0.5, max_new_tokens=1)  # only the second chunk is a candidate
+    assert not two.stats.exact and two.stats.recomputed_tokens == round(0.5 * handles[1].num_tokens)
+    start = len(eng.prompts.build(QUERY, [], None).prefix) + handles[0].num_tokens
+    assert all(start <= p < start + handles[1].num_tokens for p in two.hkvd_positions)
+    system = eng.generate(QUERY, handles[:1], system="Answer briefly.", recompute_ratio=0.15, max_new_tokens=1)
+    assert not system.stats.exact and system.stats.recomputed_tokens > 0  # behind another system message
+    low = Engine.load(default_model_dir, store="memory", kv_dtype="bfloat16")  # stored at another precision
+    stored = low.generate(QUERY, low.ingest(PASSAGES[:1]), recompute_ratio=0.15, max_new_tokens=1)
+    assert not stored.stats.exact and stored.stats.recomputed_tokens > 0

@@ -35,7 +35,7 @@ from .blend.hint import check_pool
 from .blend.selection import Candidates, choose, kv_deviation
 from .blend.shift import evenly_spaced
 from .cache.chunks import ATTEMPTS, LookupCounter
-from .cache.segments import prompt_segments
+from .cache.segments import behind_sink, prompt_segments
 from .config import BlendConfig, RequestOptions
 from .datasets import token_f1
 from .errors import CacheBlendError
@@ -82,14 +82,15 @@ class Explanation:
     blended: Result | None = None
     options: dict[str, Any] = field(default_factory=dict)
     shift_share: float = 0.0  # the request's chunk-shift sample (BlendConfig.shift_share)
-    chunk_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each chunk
+    chunk_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each approximate chunk
     check_pool: float = 1.0  # the request's BlendConfig.check_pool
     pool: Tensor | None = None  # [n] bool: the check pool, where one applies (None: every chunk token)
 
     @property
     def candidates(self) -> Tensor:
-        """Positions of chunk tokens (what may be recomputed)."""
-        return torch.tensor([i for i, t in enumerate(self.tokens) if t.part == "chunk"], dtype=torch.long)
+        """Positions of the approximately reused chunk tokens (what may be recomputed); a
+        chunk reused exactly (right behind its sink) has none."""
+        return torch.tensor([i for a, b in self.chunk_spans for i in range(a, b)], dtype=torch.long)
 
     def recomputed(self, ratio: float | None = None) -> Tensor:
         """``[n]`` bool: the chunk tokens the blend recomputes at ``ratio`` (default: the
@@ -165,13 +166,17 @@ def explain(engine: Engine, query: str, chunks: Sequence[ChunkHandle | str], *, 
         return fresh, cached, [source.layer(check) for source in cached]
 
     fresh, cached, at_check = _recomputing_damaged(read)
+    # A chunk right behind its sink is reused exactly (cache/segments.py): never a candidate.
+    approx = [i for i, (start, _) in enumerate(spans) if not behind_sink(engine.chunks, prompt.all_ids[:start])]
     deviation = torch.zeros(len(tokens))
-    for (start, end), (k, v) in zip(spans, at_check, strict=True):
+    for i in approx:
+        (start, end), (k, v) = spans[i], at_check[i]
         deviation[start:end] = kv_deviation(fresh[0][:, start:end], fresh[1][:, start:end], k, v, blend.deviation)
-    pool = check_pool([(a, b, src.meta) for (a, b), src in zip(spans, cached, strict=True)], blend.check_pool,
+    pool = check_pool([(*spans[i], cached[i].meta) for i in approx], blend.check_pool,
                       len(tokens), torch.device("cpu")) if blend.check_pool < 1.0 else None
     out = Explanation(tokens, deviation, check, blend.recompute_ratio, options=dict(options),
-                      shift_share=blend.shift_share, chunk_spans=list(spans), check_pool=blend.check_pool, pool=pool)
+                      shift_share=blend.shift_share, chunk_spans=[spans[i] for i in approx],
+                      check_pool=blend.check_pool, pool=pool)
     if attention_layer is not None:
         out.attention = probe.maps(prompt, handles, spans, tokens, blend)
     if answers:
@@ -251,6 +256,9 @@ class _Probe:
             block = self._matrix(sink + end - start)[sink:, sink:]
             own[start:end, start:end] = block
         own[: len(prompt.prefix)] = full[: len(prompt.prefix)]  # the prefix is exact
+        for start, end in spans:
+            if behind_sink(eng.chunks, prompt.all_ids[:start]):  # so is a chunk right behind its sink
+                own[start:end] = full[start:end]
         maps = []
         for ratio in (0.0, blend.recompute_ratio):
             config = BlendConfig(**{**blend.__dict__, "recompute_ratio": ratio})

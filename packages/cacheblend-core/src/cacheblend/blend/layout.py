@@ -24,7 +24,8 @@ class Segment:
     """A run of prompt tokens and, if reused, its position-free cache.
 
     ``exact`` marks a cache that equals full prefill at this offset (a prefix computed at
-    position 0): it is reused as is and never a recompute candidate.
+    position 0, a chunk right behind the sink it was precomputed behind): it is reused as
+    is and never a recompute candidate.
     """
 
     token_ids: Sequence[int]

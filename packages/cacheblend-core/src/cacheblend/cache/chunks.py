@@ -83,6 +83,9 @@ class ChunkCache:
         self.policy = "chunk:sink=" + ",".join(map(str, self.sink))
         if self.kv_dtype != decoder.shape.dtype:
             self.policy += ";kv=" + str(self.kv_dtype).removeprefix("torch.")
+        # A chunk right behind its sink in a prompt is full prefill's there (segments.py),
+        # unless it is stored at another precision.
+        self.exact_behind_sink = self.kv_dtype == decoder.shape.dtype
         self.device = device
         self.prefetch = prefetch
         self.separator: list[int] = prompts.encode(prompts.chunk_separator)

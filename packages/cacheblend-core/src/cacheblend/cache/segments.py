@@ -4,6 +4,10 @@ The in-process engine gives a prompt as its parts (system prefix, chunks, questi
 chunks' handles (:func:`prompt_segments`); the vLLM connector gives token ids with the
 chunks' ``[start, end)`` spans (:func:`span_segments`).  Both look every cache up through
 the same :class:`~.chunks.ChunkCache`, so a chunk gets the same key and cache either way.
+
+A chunk whose prompt tokens before it are exactly its sink sits where it was precomputed
+(:func:`mark_exact_behind_sink`): its cache is full prefill's, reused as exact like the
+prompt's prefix, not a recompute candidate.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from ..prompt import PromptIds
 from ..results import ChunkHandle
 from .chunks import ChunkCache, LookupCounter
 
-__all__ = ["prompt_segments", "span_segments"]
+__all__ = ["behind_sink", "mark_exact_behind_sink", "prompt_segments", "span_segments"]
 
 
 def prompt_segments(cache: ChunkCache, prompt: PromptIds, handles: Sequence[ChunkHandle], method: str,
@@ -36,9 +40,34 @@ def prompt_segments(cache: ChunkCache, prompt: PromptIds, handles: Sequence[Chun
     chunk_handles = iter(handles)
     for ids, chunk in body:
         segs.append(_chunk_segment(cache, next(chunk_handles), counter, defer) if chunk else Segment(ids))
+    mark_exact_behind_sink(cache, segs)
     if counter.deferred and not any(s.cached is not None and not s.exact for s in segs):
         return [Segment(prompt.all_ids)]  # nothing to blend: plain full prefill, the causal kernel
     return segs
+
+
+def mark_exact_behind_sink(cache: ChunkCache, segs: Sequence[Segment]) -> None:
+    """Mark exact the chunk whose prompt tokens before it are exactly the cache's sink.
+
+    A chunk is precomputed behind the sink at position 0 (:meth:`ChunkCache.precompute`);
+    in a prompt that opens with the sink and then the chunk (the engine's prompt without a
+    system message or preamble: the chat frame is the frame sink) the chunk's K/V are what
+    full prefill computes there, up to rounding, as the prefix cache's are.  Left approximate,
+    such a chunk was checked, shifted and counted in the budget for nothing, and a prompt of
+    one such chunk got an approximate receipt and could be escalated by the guard.  Chunks
+    stored in another dtype than the model's are never exact."""
+    before: list[int] = []
+    for seg in segs:
+        if len(before) > len(cache.sink):
+            return
+        if seg.cached is not None and not seg.exact and behind_sink(cache, before):
+            seg.exact = True
+        before.extend(seg.token_ids)
+
+
+def behind_sink(cache: ChunkCache, before: Sequence[int]) -> bool:
+    """Whether a chunk after the prompt tokens ``before`` is exact (:func:`mark_exact_behind_sink`)."""
+    return cache.exact_behind_sink and tuple(before) == cache.sink
 
 
 def _chunk_segment(cache: ChunkCache, handle: ChunkHandle, counter: LookupCounter, defer: Collection[str]) -> Segment:
@@ -71,4 +100,5 @@ def span_segments(cache: ChunkCache, ids: Sequence[int], spans: Sequence[tuple[i
         segs.append(Segment(ids[a:b], cache.chunk_source(cache.handle(ids[a:b]), counter)))
         pos = b
     segs.append(Segment(ids[pos:]))
+    mark_exact_behind_sink(cache, segs)
     return segs
