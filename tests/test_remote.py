@@ -108,6 +108,16 @@ def test_remote_engine_blends_and_ratio_one_is_vllms_full_prefill(server, remote
     assert blend.usage["prompt_tokens"] == full.usage["prompt_tokens"] == load["prompt_tokens"]
     assert blend_text.split()[:1] == full_text.split()[:1]  # this example's first word survives blending
     assert 0 < blend.ttft_s and blend.finish_reason == "length"
+    # The first passage opens the user message, right behind the chat frame (the frame
+    # sink): the worker reuses it exactly, and the client's receipt counts it so (it used
+    # to count it approximate). With that passage alone the answer is exact.
+    assert load["fidelity"]["exact_cached_tokens"] > load["prompt_tokens"] // (2 * len(example.passages))
+    one = remote.start_chat([{"role": "user", "content": f"{example.passages[0]}\n\nQuestion: {example.question}"}],
+                            learn=False, max_new_tokens=2, recompute_ratio=0.15)
+    "".join(one.pieces)
+    load = stats(server)[-1]
+    assert load["op"] == "load" and load["fidelity"]["exact"] and one.result.stats.exact
+    assert one.result.usage["approximate_tokens"] == load["fidelity"]["approximate_tokens"] == 0
 
 
 def test_langchain_chat_model_on_the_server(server, remote, example):

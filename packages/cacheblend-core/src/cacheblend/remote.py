@@ -123,7 +123,7 @@ class RemoteEngine(Answering):
         self.prompts = PromptBuilder(self.tokenizer)
         self.passages = PassageIndex()
         self.config = EngineConfig()
-        self.chunk_sink: str = self._check_connector()
+        self.chunk_sink, self._exact_behind_sink = self._check_connector()
         self._sink = self.prompts.sink_ids(self.chunk_sink)
 
     @classmethod
@@ -147,10 +147,11 @@ class RemoteEngine(Answering):
         answer = (reply.model_extra or {}).get("kv_transfer_params") or {}
         return answer.get("cacheblend") or {}
 
-    def _check_connector(self) -> str:
+    def _check_connector(self) -> tuple[str, bool]:
         """Without the connector a vLLM server ignores our parameters and answers with
         full prefill, silently: refuse such a server up front.  Returns the server's chunk
-        sink, which ingestion must use (the connector refuses chunks behind another)."""
+        sink, which ingestion must use (the connector refuses chunks behind another), and
+        whether the worker reuses a chunk right behind that sink exactly (for the receipt)."""
         answer = self._op(self.prompts.sink_ids("bos"), {"cacheblend": "ping"})
         if answer.get("connector") != "CacheBlendConnector":
             raise CacheBlendError(
@@ -159,7 +160,7 @@ class RemoteEngine(Answering):
         sink = answer.get("chunk_sink", "bos")
         if sink not in CHUNK_SINKS:
             raise CacheBlendError(f"the server at {self.base_url} names an unknown chunk sink {sink!r}")
-        return str(sink)
+        return str(sink), answer.get("exact_behind_sink") is True
 
     def ingest(self, texts: Iterable[str] | str) -> list[ChunkHandle]:
         """Have the server compute and store each chunk's KV (vLLM's own, saved by the
@@ -259,15 +260,18 @@ class RemoteEngine(Answering):
             raise CacheBlendError(f"prompt of {len(ids)} tokens does not fit the server's context of "
                                   f"{self.context_length} tokens")
         spans = chunk_spans(prompt) if opts.method != "full" else []
-        chunk_tokens = sum(b - a for a, b in spans)
-        recomputed = round(blend.recompute_ratio * chunk_tokens) if not blend.gradual else 0
         head = spans[0][0] if spans else 0  # the prompt's prefix: the worker reads it from the prefix cache
+        if spans and self._exact_behind_sink and ids[:head] == list(self._sink):
+            head = spans[0][1]  # and the first chunk, right behind the sink: reused exactly
+        chunk_tokens = sum(b - a for a, b in spans if a >= head)  # reused approximately
+        recomputed = round(blend.recompute_ratio * chunk_tokens) if not blend.gradual else 0
         stats = BlendStats(method=opts.method, recompute_ratio=blend.recompute_ratio, prompt_tokens=len(ids),
                            reused_tokens=chunk_tokens - recomputed + head, recomputed_tokens=recomputed,
                            chunks=len(spans), chunks_learned=learned, exact_cached_tokens=head)
         # The streamed answer carries no marker: the receipt is what was asked for (the
         # server's guard may escalate; its own receipt is in non-streamed responses).
-        stats.exact, stats.ratio_used = not spans or blend.recompute_ratio >= 1.0, blend.recompute_ratio
+        stats.exact = not chunk_tokens or blend.recompute_ratio >= 1.0
+        stats.ratio_used = 1.0 if spans and not chunk_tokens else blend.recompute_ratio  # as the worker's
         stats.risk = 0.0 if stats.exact else None
         params: dict[str, Any] = {"method": opts.method}
         if spans:

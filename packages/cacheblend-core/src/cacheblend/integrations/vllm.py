@@ -69,10 +69,14 @@ class CacheBlendConnector(KVConnectorBase_V1):
         block_size: int = vllm_config.cache_config.block_size
         # both sides resolve it alike, and every answer names it (a RemoteEngine adopts it)
         chunk_sink = chunk_sink_for(config.chunk_sink, model.hf_config.model_type)
+        # a chunk right behind the sink is reused exactly unless chunks are stored at another
+        # precision (cache/segments.py); the marker says so, for RemoteEngine's receipt
+        exact_behind_sink = config.kv_dtype is None or getattr(torch, config.kv_dtype) == model.dtype
         self.scheduler = SchedulerSide(config, model_dir=model.model, block_size=block_size,
                                        num_layers=model.get_total_num_hidden_layers(), chunk_sink=chunk_sink,
                                        connector=type(self).__name__,
-                                       prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
+                                       prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+                                       exact_behind_sink=exact_behind_sink)
         self.worker = WorkerSide(config, model_dir=model.model, dtype=model.dtype, chunk_sink=chunk_sink,
                                  block_size=block_size, vllm_config=vllm_config, kv_cache_config=kv_cache_config)
 

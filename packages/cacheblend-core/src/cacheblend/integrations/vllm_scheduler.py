@@ -29,12 +29,14 @@ class SchedulerSide:
     """Per-request state of the scheduler side, keyed by vLLM's request id."""
 
     def __init__(self, config: ConnectorConfig, *, model_dir: str, block_size: int, num_layers: int,
-                 chunk_sink: str, connector: str, prefix_caching: bool = False) -> None:
+                 chunk_sink: str, connector: str, prefix_caching: bool = False,
+                 exact_behind_sink: bool = True) -> None:
         self.config = config
         self.model_dir = model_dir
         self.min_tokens = config.min_tokens if config.min_tokens is not None else 2 * block_size
         self.num_layers = num_layers
         self.chunk_sink = chunk_sink  # every answer's marker names it (a RemoteEngine adopts it)
+        self.exact_behind_sink = exact_behind_sink  # and whether a chunk right behind it is reused exactly
         self.connector = connector  # the class name clients look for in the marker
         self._matcher: ChunkMatcher | None = None
         self._spans: dict[str, list[tuple[int, int]]] = {}  # req_id -> matched spans (a pure cache)
@@ -196,8 +198,8 @@ class SchedulerSide:
         receipt = self._receipts.pop(request.request_id, None)
         if not request_params(request):
             return None
-        marker = {"connector": self.connector, "chunk_sink": self.chunk_sink, "chunks": len(spans),
-                  "fidelity": receipt}
+        marker = {"connector": self.connector, "chunk_sink": self.chunk_sink,
+                  "exact_behind_sink": self.exact_behind_sink, "chunks": len(spans), "fidelity": receipt}
         if receipt is None and spans:  # blended in this very step: vLLM reads the receipt after this
             self._awaiting[request.request_id] = marker
         return {"cacheblend": marker}
