@@ -1,5 +1,7 @@
 """The command line and the loop shared by the interleaved A/B scripts on musique dev
-prompts (``blend_attention.py``, ``kv_reuse.py``, ``onednn_weights.py``, ``compiled_decode.py``)."""
+prompts (``blend_attention.py``, ``kv_reuse.py``, ``onednn_weights.py``, ``compiled_decode.py``),
+and the command line of the one-engine fidelity switches (``exact_behind_sink.py``,
+``system_instruction.py``)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,18 @@ def ab_arguments(doc: str | None,
     ap.add_argument("--dtype", default=None, help="what the engines compute in (default: float32)")
     if extra is not None:
         extra(ap)
+    return ap.parse_args()
+
+
+def switch_arguments(doc: str | None, skip: int) -> argparse.Namespace:
+    """``--skip`` (the first dev prompt), ``--limit``, ``--rounds``, ``--data``, ``--model``, ``--out``."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    ap.add_argument("--skip", type=int, default=skip, help="start at this dev prompt")
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3, help="timed runs per prompt and variant (0: no timing)")
+    ap.add_argument("--data", default=None, help="data folder (default: $CACHEBLEND_DATA)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", default=None, help="JSON output")
     return ap.parse_args()
 
 

@@ -17,7 +17,6 @@ The benchmark's own prompts carry a preamble, so its figures do not move with th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,6 +24,7 @@ import statistics
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from ab_args import switch_arguments
 
 from cacheblend import Engine
 from cacheblend.bench.metrics import kl_first_token
@@ -37,14 +37,7 @@ VARIANTS = {"old@0.15": (False, 0.15), "new@0.15": (True, 0.15), "new@0.18": (Tr
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--skip", type=int, default=40, help="start at this dev prompt")
-    ap.add_argument("--limit", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3, help="timed runs per prompt and variant (0: no timing)")
-    ap.add_argument("--data", default=None, help="data folder (default: $CACHEBLEND_DATA)")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--out", default=None, help="JSON output")
-    args = ap.parse_args()
+    args = switch_arguments(__doc__, skip=40)
     torch.set_num_threads(2)
     engine = Engine.load(args.model, store="memory")
     examples = load_qa("musique", "dev", args.skip + args.limit, 6, args.data)[args.skip:]

@@ -110,12 +110,57 @@ def test_documents_go_in_front_of_the_question_like_generate(engine):
     torch.testing.assert_close(chat.first_token_logits, plain.first_token_logits)
 
 
+def _user_chat(context: str) -> list[dict]:
+    return [{"role": "user", "content": "Use the sources.\n\n" + context + "\n\n" + QUERY}]
+
+
 def test_learned_paragraphs_are_reused_in_another_order(engine):
     engine.learn_min_chars = 60
-    first = _run(engine.start_chat(_chat("\n\n" + "\n\n".join(PASSAGES)), **GEN))
+    first = _run(engine.start_chat(_user_chat("\n\n".join(PASSAGES)), **GEN))
     assert first.stats.chunks_learned == len(PASSAGES)
-    again = _run(engine.start_chat(_chat("\n\n" + "\n\n".join(reversed(PASSAGES))), **GEN))
+    again = _run(engine.start_chat(_user_chat("\n\n".join(reversed(PASSAGES))), **GEN))
     assert again.stats.chunks_learned == 0 and again.stats.store_hits >= len(PASSAGES)
+
+
+INSTRUCTION = ("You answer questions about people and places. Answer in one short sentence, name the place "
+               "or person asked for, and say that you do not know when the sources do not tell.")
+
+
+def test_a_long_system_instruction_stays_exact_in_the_prefix(engine):
+    """The system message's first long paragraph used to be learned as a chunk, so from the
+    second call on it was blended (approximate).  It stays in the prompt's prefix: the
+    prefix cache makes the second call exact, with or without passages."""
+    engine.learn_min_chars = 60
+    alone = [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": QUERY}]
+    first = _run(engine.start_chat(alone, **GEN))
+    assert first.stats.chunks_learned == 0 and first.stats.chunks == 0
+    again = _run(engine.start_chat(alone, **GEN))
+    full = _run(engine.start_chat(alone, method="full", **GEN))
+    assert again.stats.exact and again.stats.chunks == 0 and again.stats.store_hits == 1
+    assert again.stats.exact_cached_tokens > len(engine.prompts.encode(INSTRUCTION))
+    assert again.token_ids == full.token_ids
+    torch.testing.assert_close(again.first_token_logits, full.first_token_logits, atol=1e-4, rtol=1e-4)
+
+    engine.ingest(PASSAGES)
+    rag = [{"role": "system", "content": INSTRUCTION + "\n\nSources:\n\n" + "\n\n".join(PASSAGES)},
+           {"role": "user", "content": QUERY}]
+    blend1 = _run(engine.start_chat(rag, recompute_ratio=1.0, **GEN))
+    full = _run(engine.start_chat(rag, method="full", **GEN))
+    assert blend1.stats.chunks == len(PASSAGES) and blend1.stats.chunks_learned == 0
+    assert blend1.token_ids == full.token_ids
+    torch.testing.assert_close(blend1.first_token_logits, full.first_token_logits, atol=1e-3, rtol=1e-3)
+
+
+def test_only_the_first_unknown_system_paragraph_is_kept_out_of_the_chunks(engine):
+    """Unknown passages pasted into the system message: the first stays in the prefix on
+    this call (it may be the instruction), the others are learned; a known passage before
+    them keeps every one learnable."""
+    engine.learn_min_chars = 60
+    first = _run(engine.start_chat(_chat("\n\n" + "\n\n".join(PASSAGES)), **GEN))
+    assert first.stats.chunks_learned == len(PASSAGES) - 1 and PASSAGES[0] not in engine.passages
+    again = _run(engine.start_chat(_chat("\n\n" + "\n\n".join(reversed(PASSAGES))), **GEN))
+    assert again.stats.chunks_learned == 1 and PASSAGES[0] in engine.passages  # learned where it moved to
+    assert again.stats.chunks == len(PASSAGES)  # a known passage opens the message: all are chunks
 
 
 def test_release_forgets_passages_and_deletes_caches(engine):

@@ -60,7 +60,8 @@ def plan_chat(
 ) -> ChatPlan:
     """Known passages (in ``passages``, or given as ``documents``) are found in the message
     contents by their text; with ``learn``, long paragraphs of system and user contents
-    become chunks too, except the last paragraph of the last user message (the question).  ``documents`` not
+    become chunks too, except the last paragraph of the last user message (the question)
+    and the system message's first (:func:`keep_instruction`).  ``documents`` not
     already in the messages go in front of the last user message.  Adds the documents and
     learned paragraphs to ``passages``."""
     msgs = check_messages(messages)
@@ -77,6 +78,7 @@ def plan_chat(
         last = users[-1]
         msgs[last] = {"role": "user", "content": "".join(d + "\n\n" for d in missing) + msgs[last]["content"]}
     pieces: list[Piece] = []
+    head = 0  # pieces[:head] hold the system instruction kept in the prompt's prefix
     # the question is the last paragraph of the last user message, also when an assistant
     # turn follows it (a prefilled answer): it used to be learned as a chunk there
     question = {len(msgs) - 1, max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=-1)}
@@ -85,18 +87,44 @@ def plan_chat(
             pieces.append(Piece(text))
             continue
         learnable = learn and msgs[i]["role"] in ("system", "user")
-        pieces += cut(text, passages, learn_min_chars if learnable else None, keep_tail=i in question)
-    prompt = layout(prompts, pieces)
+        cut_pieces = cut(text, passages, learn_min_chars if learnable else None, keep_tail=i in question)
+        if i == 0 and msgs[0]["role"] == "system":
+            kept = keep_instruction(cut_pieces)
+            head = len(pieces) + kept + 1 if kept is not None else 0
+        pieces += cut_pieces
+    prompt = layout(prompts, pieces, head)
     learned = [p.passage for p in pieces if p.learned and p.passage]
     for passage in learned:
         passages.add(passage)
     return ChatPlan(prompt, learned)
 
 
-def layout(prompts: PromptBuilder, pieces: list[Piece]) -> PromptIds:
+def keep_instruction(pieces: list[Piece]) -> int | None:
+    """Keep the system message's first learned paragraph out of the chunks, when no known
+    passage comes before it: the index of the piece made plain text, or None.
+
+    That paragraph is, in almost every chat, the application's fixed instruction.  Learned,
+    it was blended from the second call on: precomputed behind the sink rather than behind
+    the system turn's opening, approximate on every answer (on dev, the answer changed).
+    Left in the prompt's prefix it is reused exactly from the prefix cache, as fast.  A
+    retrieved passage that opens a system message instead (the template pasted the context
+    first) is then kept as prefix on that call and learned where it next appears elsewhere."""
+    for j, p in enumerate(pieces):
+        if p.passage is not None and not p.learned:
+            return None  # a known passage opens the message: the prefix ends before it anyway
+        if p.learned:
+            pieces[j] = Piece(p.text)
+            return j
+    return None
+
+
+def layout(prompts: PromptBuilder, pieces: list[Piece], head: int = 0) -> PromptIds:
     """Token ids of the pieces, each tokenized on its own: text before the first chunk
-    is the exact prefix, text between chunks gaps, the rest the suffix."""
+    is the exact prefix, text between chunks gaps, the rest the suffix.  A prompt without
+    chunks is computed, except its first ``head`` pieces (a kept system instruction,
+    :func:`keep_instruction`): they are the prefix, reused exactly from the prefix cache."""
     pieces = list(pieces)
+    head_chars = sum(len(p.text) for p in pieces[:head])
     while pieces and pieces[-1].passage is not None:  # the last token must be computed
         pieces[-1] = Piece(pieces[-1].text)
     runs: list[tuple[str, bool]] = []
@@ -107,7 +135,10 @@ def layout(prompts: PromptBuilder, pieces: list[Piece]) -> PromptIds:
         elif p.text:
             runs.append((p.text, chunk))
     if not any(chunk for _, chunk in runs):
-        return PromptIds([], [], prompts.encode("".join(t for t, _ in runs)))
+        text = "".join(t for t, _ in runs)
+        if 0 < head_chars < len(text):
+            return PromptIds(prompts.encode(text[:head_chars]), [], prompts.encode(text[head_chars:]))
+        return PromptIds([], [], prompts.encode(text))
     prefix = prompts.encode(runs.pop(0)[0]) if not runs[0][1] else []
     chunks: list[list[int]] = []
     gaps: list[list[int]] = []

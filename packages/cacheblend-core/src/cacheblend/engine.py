@@ -210,8 +210,9 @@ class Engine(Answering):
         the message contents by their text and reused wherever they sit; with ``learn``
         (an option, default on), long paragraphs of system and user contents that are not
         known yet become chunks (cached now, reused next time), except the last paragraph
-        of the last message.  ``documents`` not already in the messages go in front of the
-        last user message.  Options: :class:`RequestOptions`."""
+        of the last message and the system message's first (the application's instruction:
+        it stays in the prefix, reused exactly).  ``documents`` not already in the messages
+        go in front of the last user message.  Options: :class:`RequestOptions`."""
         t0 = time.perf_counter()
         opts = RequestOptions.parse(options)
         plan = plan_chat(self.prompts, self.passages, messages, documents, learn=opts.learn,
