@@ -226,6 +226,29 @@ def test_delete_does_not_wait_behind_other_keys_queued_writes(tmp_path):
     assert torch.equal(slow.get(KEY_A).k, _kv(seed=9).k)
 
 
+def test_deleted_keys_are_forgotten_once_no_write_is_queued():
+    """Every deleted key's generation was kept for the store's lifetime: a server that
+    releases chunks for weeks grew that map without end.  It is needed only while writes
+    are queued, and a delete with nothing queued records nothing."""
+    slow = _SlowTier(0.2)
+    store = TieredStore([MemoryStore(), slow])
+    store.put(KEY_A, _kv())
+    store.put(KEY_B, _kv(seed=1))
+    assert store.stats()["queued_writes"] >= 1
+    assert store.delete(KEY_B)  # its queued write is skipped
+    assert store.stats()["deletes_tracked"] == 1
+    store.flush()
+    assert store.stats()["deletes_tracked"] == 0 and store.stats()["queued_writes"] == 0
+    assert slow.get(KEY_A) is not None and slow.get(KEY_B) is None
+    for seed in range(20):
+        key = f"{seed:02d}" + "d" * 62
+        store.delete(key)
+    assert store.stats()["deletes_tracked"] == 0
+    store.put(KEY_B, _kv(seed=2))  # written again after the delete: lands
+    store.flush()
+    assert torch.equal(slow.get(KEY_B).k, _kv(seed=2).k)
+
+
 def test_delete_waits_for_a_write_of_its_key_that_is_landing():
     """A write of the key already under way when the delete comes lands first and is then
     deleted, never after the delete."""

@@ -45,22 +45,31 @@ class _Deletions:
     entry back) and the key it is writing now (a delete of that key waits for it).
 
     Why not flush the queue before a delete: a request that drops a damaged entry would
-    wait behind every queued write to a slow tier (a remote Redis), for other keys too."""
+    wait behind every queued write to a slow tier (a remote Redis), for other keys too.
+
+    The generations matter only while a write is queued or landing: once none is, they
+    are forgotten, so a long-running server that releases many chunks does not keep a
+    number for every key it ever deleted."""
 
     def __init__(self) -> None:
         self.changed = threading.Condition()
-        self.generation: dict[str, int] = {}  # deleted keys only: deletes are rare
+        self.generation: dict[str, int] = {}  # deleted keys, while writes are pending
+        self.pending = 0  # writes queued and not yet started or skipped
         self.writing: str | None = None
 
-    def of(self, key: str) -> int:
+    def queued(self, key: str, count: int) -> int:
+        """The generation ``count`` writes of ``key`` about to be queued carry."""
         with self.changed:
+            self.pending += count
             return self.generation.get(key, 0)
 
     def start(self, key: str, generation: int) -> bool:
         """Whether a write queued under ``generation`` may still land; if so it is marked
         as landing until :meth:`done`."""
         with self.changed:
+            self.pending -= 1
             if self.generation.get(key, 0) != generation:
+                self._forget()
                 return False
             self.writing = key
             return True
@@ -68,14 +77,21 @@ class _Deletions:
     def done(self) -> None:
         with self.changed:
             self.writing = None
+            self._forget()
             self.changed.notify_all()
 
     def delete(self, key: str) -> None:
         """Skip the key's queued writes, and wait for one that is landing."""
         with self.changed:
+            if not self.pending and self.writing is None:
+                return  # nothing queued can bring the key back
             self.generation[key] = self.generation.get(key, 0) + 1
             while self.writing == key:
                 self.changed.wait()
+
+    def _forget(self) -> None:
+        if not self.pending and self.writing is None:
+            self.generation.clear()
 
 
 class _PromotingSource:
@@ -161,7 +177,7 @@ class TieredStore:
     # -- writes --------------------------------------------------------------------
     def put(self, key: str, kv: ChunkKV) -> bool:
         first = self.tiers[0].put(key, kv)
-        generation = self._deletions.of(key)
+        generation = self._deletions.queued(key, len(self.tiers) - 1 if self._queue is not None else 0)
         for tier in self.tiers[1:]:
             if self._queue is not None:
                 self._queue.put((tier, key, kv, generation))
@@ -185,8 +201,10 @@ class TieredStore:
 
     def stats(self) -> dict:
         c = self.stats_counts
+        d = self._deletions
         return {"tiers": [t.stats() for t in self.tiers], "hits": list(c.hits), "misses": c.misses,
-                "background_writes": c.background_writes, "failed_writes": c.failed_writes}
+                "background_writes": c.background_writes, "failed_writes": c.failed_writes,
+                "queued_writes": d.pending, "deletes_tracked": len(d.generation)}
 
 
 def _write_behind(jobs: queue.Queue, counts: TierStats, deletions: _Deletions) -> None:
