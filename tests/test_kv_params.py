@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from cacheblend import CacheBlendError, RequestOptions
-from cacheblend.integrations.kv_params import KNOWN_FIELDS, check_kv_transfer_params, fit_spans, parse_kv_params
+from cacheblend.integrations.kv_params import (
+    KNOWN_FIELDS,
+    check_kv_transfer_params,
+    fit_prefix,
+    fit_spans,
+    parse_kv_params,
+)
 
 SELECTION = {"check_layers": [1], "deviation": "v", "gradual": False, "selection": "deviation", "chunk_heads": 0,
              "chunk_budget": "global", "probe_share": 1.0, "shift_share": 0.03, "max_risk": None}
@@ -59,7 +65,12 @@ SELECTION = {"check_layers": [1], "deviation": "v", "gradual": False, "selection
     ({"chunk_heads": -1}, "chunk_heads"),
     ({"chunk_budget": "even"}, "chunk_budget"),
     ({"max_risk": 2}, "max_risk"),
-    ({"ratio": 0.2}, r"unknown fields \['ratio'\]; CacheBlendConnector reads chunks, cacheblend"),
+    ({"prefix": 0}, r"prefix must be the number of prompt tokens \(an int >= 1\)"),
+    ({"prefix": 2.5}, "prefix must be the number"),
+    ({"prefix": True}, "prefix must be the number"),
+    ({"prefix": 5, "chunks": [[5, 9]]}, "prefix goes only with a prompt without chunks"),
+    ({"cacheblend": "ping", "prefix": 5}, r"\['prefix'\] do not go with cacheblend='ping'"),
+    ({"ratio": 0.2}, r"unknown fields \['ratio'\]; CacheBlendConnector reads chunks, prefix, cacheblend"),
     ({"temperature": 0.5}, r"unknown fields \['temperature'\]"),
     ([["chunks"]], "must be a JSON object, got list"),
     ("blend", "must be a JSON object, got str"),
@@ -76,6 +87,7 @@ def test_a_bad_field_is_named(params, match):
     {"recompute_ratio": "guard", "max_risk": 0.0}, {"check_layers": [1, 29], "gradual": True},
     # what RemoteEngine sends
     {"method": "blend", "chunks": [[1, 4], [4, 9]], "recompute_ratio": 0.15, **SELECTION},
+    {"method": "blend", "prefix": 40}, {"prefix": 40, "chunks": []},  # a chunkless chat's system instruction
     # vLLM's own keys pass
     {"prompt_token_ids": [1, 2], "do_remote_prefill": False, "do_remote_decode": True, "remote_host": "h"},
     {"cacheblend": "ping", "remote_engine_id": "x"},
@@ -94,6 +106,8 @@ def test_parsed_hints_are_what_the_connector_uses():
     assert (ingest.op, ingest.sink, ingest.blends) == ("ingest", 1, False)
     assert parse_kv_params({"cacheblend": "release", "ids": [7, 8]}).ids == (7, 8)
     assert parse_kv_params(None).chunks is None  # no spans: the connector searches the registry
+    prefix = parse_kv_params({"prefix": np.int64(40)})
+    assert (prefix.prefix, prefix.chunks, prefix.blends) == (40, (), True)  # the registry is not searched
 
 
 def test_the_servers_defaults_are_the_base():
@@ -113,6 +127,13 @@ def test_spans_must_end_before_the_last_prompt_token():
         fit_spans(((1, 10),), 10)
 
 
+def test_a_prefix_must_end_before_the_last_prompt_token():
+    assert fit_prefix(9, 10) == 9
+    with pytest.raises(CacheBlendError, match="prefix of 10 tokens reaches past the last but one token of the "
+                                              "10-token prompt"):
+        fit_prefix(10, 10)
+
+
 def test_every_field_the_docs_list_is_known():
-    assert set(KNOWN_FIELDS) >= {"chunks", "cacheblend", "sink", "ids", "method", "recompute_ratio",
+    assert set(KNOWN_FIELDS) >= {"chunks", "prefix", "cacheblend", "sink", "ids", "method", "recompute_ratio",
                                  "quality_floor", *SELECTION}

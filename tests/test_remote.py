@@ -120,6 +120,26 @@ def test_remote_engine_blends_and_ratio_one_is_vllms_full_prefill(server, remote
     assert one.result.usage["approximate_tokens"] == load["fidelity"]["approximate_tokens"] == 0
 
 
+def test_a_chat_without_passages_reads_its_system_instruction_exactly(server, remote, example):
+    """A chat application's long system instruction, asked without passages: RemoteEngine
+    names it as the prompt's prefix, and the worker reads it exactly from the prefix cache
+    from the second call on. It used to be learned as a chunk and blended."""
+    system = ("You answer questions about people, places and works of art. Answer in one short "
+              "sentence that names the person, place, date or number asked for, and say that you do "
+              "not know when you are not sure; never invent names, dates or numbers.")
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": example.question}]
+    full = remote.start_chat(chat, method="full", max_new_tokens=8)
+    full_text = "".join(full.pieces)
+    for _ in range(2):  # the first call stores the prefix, the second reads it
+        gen = remote.start_chat(chat, max_new_tokens=8)
+        text = "".join(gen.pieces)
+        assert text == full_text and gen.result.stats.exact and gen.result.stats.chunks_learned == 0
+    load = stats(server)[-1]
+    assert load["op"] == "load" and load["chunks"] == 0 and load["prefix_cached"] and load["fidelity"]["exact"]
+    assert gen.result.usage["cached_tokens"] == load["fidelity"]["exact_cached_tokens"] > 40
+    assert gen.result.usage["approximate_tokens"] == load["fidelity"]["approximate_tokens"] == 0
+
+
 def test_langchain_chat_model_on_the_server(server, remote, example):
     from langchain_cacheblend import ChatCacheBlend
     from langchain_core.messages import HumanMessage

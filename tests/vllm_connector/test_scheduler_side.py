@@ -47,6 +47,29 @@ def test_a_receipt_for_a_request_that_finished_already_is_not_kept(default_model
     assert side.live_requests() == 0
 
 
+def test_a_chunkless_prompt_with_a_prefix_has_it_loaded_from_the_prefix_cache(default_model_dir, caplog):
+    """A chat without passages whose system instruction RemoteEngine names as ``prefix``:
+    the connector provides the prompt's K/V (the prefix read exactly, the rest computed);
+    a prefix that reaches the last token runs the request as plain vLLM."""
+    side = _side(default_model_dir)
+    request = _request("p1", list(range(100)), {"prefix": 60})
+    assert side.loaded_tokens(request, 0) == 99
+    side.after_alloc(request, 99)
+    (load,) = side.build_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="p1", block_ids=([0, 1, 2, 3, 4, 5, 6],))],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]))).loads
+    assert (load.spans, load.prefix, load.start) == ([], 60, 0)
+    marker = side.finished(request)
+    side.take_receipts({"p1": {"exact": True}})
+    assert marker is not None and marker["cacheblend"]["chunks"] == 0
+    assert marker["cacheblend"]["fidelity"] == {"exact": True}  # completed in place, as a blend's
+    with caplog.at_level(logging.WARNING):
+        assert side.loaded_tokens(_request("p2", list(range(100)), {"prefix": 100}), 0) == 0
+    assert "prefix of 100 tokens reaches past" in caplog.text
+    side.finished(_request("p2", list(range(100)), {"prefix": 100}))
+    assert side.live_requests() == 0
+
+
 @pytest.mark.parametrize("what", ["prompt_logprobs", "skip_reading_prefix_cache"])
 def test_a_request_that_needs_every_position_computed_gets_nothing_loaded(default_model_dir, what):
     """vLLM computes every prompt position itself for prompt logprobs (``echo`` scoring) and

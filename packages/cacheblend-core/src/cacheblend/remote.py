@@ -260,7 +260,9 @@ class RemoteEngine(Answering):
             raise CacheBlendError(f"prompt of {len(ids)} tokens does not fit the server's context of "
                                   f"{self.context_length} tokens")
         spans = chunk_spans(prompt) if opts.method != "full" else []
-        head = spans[0][0] if spans else 0  # the prompt's prefix: the worker reads it from the prefix cache
+        # the prompt's prefix, read by the worker from the prefix cache: before the first
+        # chunk, or a chunkless chat's system instruction (``prefix``)
+        head = spans[0][0] if spans else len(prompt.prefix) if opts.method != "full" else 0
         if spans and self._exact_behind_sink and ids[:head] == list(self._sink):
             head = spans[0][1]  # and the first chunk, right behind the sink: reused exactly
         chunk_tokens = sum(b - a for a, b in spans if a >= head)  # reused approximately
@@ -271,9 +273,11 @@ class RemoteEngine(Answering):
         # The streamed answer carries no marker: the receipt is what was asked for (the
         # server's guard may escalate; its own receipt is in non-streamed responses).
         stats.exact = not chunk_tokens or blend.recompute_ratio >= 1.0
-        stats.ratio_used = 1.0 if spans and not chunk_tokens else blend.recompute_ratio  # as the worker's
+        stats.ratio_used = 1.0 if head and not chunk_tokens else blend.recompute_ratio  # as the worker's
         stats.risk = 0.0 if stats.exact else None
         params: dict[str, Any] = {"method": opts.method}
+        if head and not spans:
+            params["prefix"] = head
         if spans:
             params |= {"chunks": [list(s) for s in spans], "recompute_ratio": blend.recompute_ratio,
                        **{f: getattr(blend, f) for f in SELECTION_FIELDS}}

@@ -81,14 +81,15 @@ def _chunk_segment(cache: ChunkCache, handle: ChunkHandle, counter: LookupCounte
 
 
 def span_segments(cache: ChunkCache, ids: Sequence[int], spans: Sequence[tuple[int, int]], counter: LookupCounter,
-                  prefix_counter: LookupCounter | None = None) -> list[Segment]:
+                  prefix_counter: LookupCounter | None = None, prefix: int = 0) -> list[Segment]:
     """Segments of a prompt given as token ids with ``[start, end)`` chunk spans (what a
     vLLM request carries): spans reuse their chunks' caches; the tokens before the first
     span (system prompt, template) are the prompt's prefix, exact K/V from the prefix
     cache as in :func:`prompt_segments` (computed at position 0 and stored on a miss), its
-    lookup counted in ``prefix_counter`` when given; the rest is computed."""
+    lookup counted in ``prefix_counter`` when given; the rest is computed.  A prompt without
+    spans may still name its ``prefix`` (a long system instruction) to read it exactly."""
     ids = list(ids)
-    pos = spans[0][0] if spans else 0
+    pos = spans[0][0] if spans else prefix
     segs = []
     if pos:
         pc = prefix_counter if prefix_counter is not None else counter

@@ -22,14 +22,14 @@ from typing import Any
 from ..config import SELECTION_FIELDS, BlendConfig, RequestOptions
 from ..errors import CacheBlendError
 
-__all__ = ["CONNECTOR_METHODS", "KNOWN_FIELDS", "OPERATIONS", "KVParams", "check_kv_transfer_params", "fit_spans",
-           "parse_kv_params"]
+__all__ = ["CONNECTOR_METHODS", "KNOWN_FIELDS", "OPERATIONS", "KVParams", "check_kv_transfer_params", "fit_prefix",
+           "fit_spans", "parse_kv_params"]
 
 OPERATIONS = ("ingest", "release", "ping")
 CONNECTOR_METHODS = ("blend", "reuse", "full")  # "prefix" is vLLM's prefix caching, off with the connector
 OPTION_FIELDS = ("method", "recompute_ratio", "quality_floor", *SELECTION_FIELDS)
 _OP_FIELDS = {"ingest": "sink", "release": "ids"}  # the field each operation needs
-KNOWN_FIELDS = ("chunks", "cacheblend", "sink", "ids", *OPTION_FIELDS)
+KNOWN_FIELDS = ("chunks", "prefix", "cacheblend", "sink", "ids", *OPTION_FIELDS)
 # Each span costs a store lookup (and, on a miss, a precompute) inside the step that loads
 # the request, which every other request of the server waits on: a client's thousands of
 # tiny spans would stall the server.  RAG prompts carry tens.
@@ -44,12 +44,15 @@ _VLLM_PREFIX = "remote_"
 class KVParams:
     """A request's checked hints: an operation (``op``: ``ingest`` with ``sink``, ``release``
     with ``ids``, ``ping``), or the chunk spans (None: not given, so the connector searches
-    the passage registry) and the selection to blend them with."""
+    the passage registry) and the selection to blend them with.  ``prefix``: a prompt
+    without chunks whose first tokens (a long system instruction) the connector reads
+    exactly from the prefix cache; with chunks the prefix is what comes before the first."""
 
     op: str | None = None
     sink: int | None = None
     ids: tuple[int, ...] | None = None
     chunks: tuple[tuple[int, int], ...] | None = None
+    prefix: int | None = None
     options: RequestOptions = field(default_factory=RequestOptions)
     blend: BlendConfig = field(default_factory=BlendConfig)
 
@@ -113,6 +116,24 @@ def fit_spans(spans: tuple[tuple[int, int], ...], num_tokens: int) -> list[tuple
     return list(spans)
 
 
+def fit_prefix(prefix: int, num_tokens: int) -> int:
+    """``prefix`` if it ends before the last of ``num_tokens`` prompt tokens, as :func:`fit_spans`."""
+    if prefix > num_tokens - 1:
+        raise _fail(f"prefix of {prefix} tokens reaches past the last but one token of the {num_tokens}-token prompt")
+    return prefix
+
+
+def _prefix(value: Any, chunks: tuple[tuple[int, int], ...] | None) -> int:
+    prefix = _int(value)
+    if prefix is None or prefix < 1:
+        raise _fail(f"prefix must be the number of prompt tokens (an int >= 1) read from the prefix cache, "
+                    f"got {value!r}")
+    if chunks:
+        raise _fail("prefix goes only with a prompt without chunks: with chunks, the prefix is the tokens "
+                    "before the first")
+    return prefix
+
+
 def _operation(op: Any, params: Mapping[Any, Any]) -> KVParams:
     """``{"cacheblend": op, ...}``: the operation's own field and vLLM's, nothing else."""
     if not isinstance(op, str) or op not in OPERATIONS:
@@ -171,7 +192,9 @@ def parse_kv_params(params: Any, *, base: RequestOptions | None = None,
         raise _fail(f"{stray} go only with an operation (cacheblend='ingest' takes sink, 'release' takes ids)")
     options, blend = _options(params, base, num_layers)
     chunks = None if params.get("chunks") is None else _spans(params["chunks"])
-    return KVParams(chunks=chunks, options=options, blend=blend)
+    if params.get("prefix") is None:
+        return KVParams(chunks=chunks, options=options, blend=blend)
+    return KVParams(chunks=(), prefix=_prefix(params["prefix"], chunks), options=options, blend=blend)
 
 
 def check_kv_transfer_params(params: Any, *, base: RequestOptions | None = None,

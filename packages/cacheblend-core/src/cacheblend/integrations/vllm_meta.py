@@ -33,6 +33,7 @@ class BlendLoad:
     start: int
     spans: list[tuple[int, int]]
     blend: BlendConfig  # the HKVD selection: the server's defaults with the request's options
+    prefix: int = 0  # a prompt without spans: its first tokens, read from the prefix cache
 
 
 @dataclass

@@ -18,7 +18,7 @@ from ..config import ConnectorConfig
 from ..errors import CacheBlendError
 from ..prompt import PromptBuilder
 from ..store.spec import split_spec
-from .kv_params import KVParams, fit_spans, parse_kv_params
+from .kv_params import KVParams, fit_prefix, fit_spans, parse_kv_params
 from .registry import ChunkMatcher
 from .vllm_meta import BlendLoad, CacheBlendMeta, ChunkSave, LayoutReport, request_params
 
@@ -40,6 +40,7 @@ class SchedulerSide:
         self.connector = connector  # the class name clients look for in the marker
         self._matcher: ChunkMatcher | None = None
         self._spans: dict[str, list[tuple[int, int]]] = {}  # req_id -> matched spans (a pure cache)
+        self._prefixes: dict[str, int] = {}  # req_id -> a chunkless prompt's prefix read from the prefix cache
         self._pending: dict[str, BlendLoad] = {}
         self._ops: dict[str, tuple[str, Any]] = {}  # req_id -> ("ingest", sink) | ("release", ids)
         self._prefilling: dict[str, ChunkSave] = {}  # ingest requests vLLM prefills over several steps
@@ -72,6 +73,8 @@ class SchedulerSide:
                 if hints.chunks is not None:
                     try:
                         spans = fit_spans(hints.chunks, len(ids))
+                        if hints.prefix:
+                            self._prefixes[request.request_id] = fit_prefix(hints.prefix, len(ids))
                     except CacheBlendError as e:
                         log.warning("CacheBlend: running %s as plain vLLM: %s", request.request_id, e)
                 elif len(ids) >= self.min_tokens and self.config.passages is not None:
@@ -118,9 +121,13 @@ class SchedulerSide:
         needs every prompt position computed (prompt logprobs, ``echo`` scoring, pooling):
         vLLM skips its own prefix cache for those, and a blend would leave them incomplete."""
         n = len(request.prompt_token_ids or [])
-        if self.blending_off is not None or _every_position(request) or not self.match(request):
+        if self.blending_off is not None or _every_position(request) or not self._engaged(request):
             return 0
         return max(0, n - 1 - num_computed_tokens)
+
+    def _engaged(self, request: Any) -> bool:
+        """Whether the connector provides this request's K/V: it holds chunks, or a prefix."""
+        return bool(self.match(request)) or request.request_id in self._prefixes
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         """Note what the request's step must do: an operation, or a blend into its blocks."""
@@ -137,7 +144,8 @@ class SchedulerSide:
             return
         assert hints is not None  # external tokens are reported only for valid hints
         self._pending[request.request_id] = BlendLoad(request.request_id, ids, [], len(ids) - 1 - num_external_tokens,
-                                                      self.match(request), hints.blend)
+                                                      self.match(request), hints.blend,
+                                                      self._prefixes.get(request.request_id, 0))
 
     def build_meta(self, scheduler_output: Any) -> CacheBlendMeta:
         """Loads for this step's new requests, and for requests resumed after preemption
@@ -191,6 +199,7 @@ class SchedulerSide:
         """Forget the request; one that came with ``kv_transfer_params`` gets
         ``{"cacheblend": {...}}`` back in its response, so a client knows the connector ran."""
         spans = self._spans.pop(request.request_id, None) or []
+        prefix = self._prefixes.pop(request.request_id, 0)
         self._pending.pop(request.request_id, None)
         self._ops.pop(request.request_id, None)
         self._prefilling.pop(request.request_id, None)
@@ -200,14 +209,15 @@ class SchedulerSide:
             return None
         marker = {"connector": self.connector, "chunk_sink": self.chunk_sink,
                   "exact_behind_sink": self.exact_behind_sink, "chunks": len(spans), "fidelity": receipt}
-        if receipt is None and spans:  # blended in this very step: vLLM reads the receipt after this
+        if receipt is None and (spans or prefix):  # blended in this very step: vLLM reads the receipt after this
             self._awaiting[request.request_id] = marker
         return {"cacheblend": marker}
 
     def live_requests(self) -> int:
         """How many requests this side holds state for: every table is emptied as its
         requests finish (vLLM calls ``request_finished`` for aborted ones too)."""
-        tables = (self._spans, self._pending, self._ops, self._prefilling, self._hints, self._receipts, self._awaiting)
+        tables = (self._spans, self._prefixes, self._pending, self._ops, self._prefilling, self._hints,
+                  self._receipts, self._awaiting)
         return len(set().union(*tables))
 
     def take_receipts(self, receipts: dict[str, dict]) -> None:

@@ -93,7 +93,8 @@ class WorkerSide:
         load.blend.validate_for(eng.decoder.shape.num_layers)
         kv = eng.kv_pool.take(eng.decoder.shape, len(ids), eng.device)
         unreachable = tier_total(eng.store, "unreachable")
-        report = cache.fuse(lambda c: (span_segments(cache, ids, load.spans, c, prefix), load.blend), kv, counter)
+        report = cache.fuse(lambda c: (span_segments(cache, ids, load.spans, c, prefix, load.prefix),
+                                            load.blend), kv, counter)
         stats = BlendStats(method="blend" if load.blend.recompute_ratio > 0 else "reuse",
                            recompute_ratio=load.blend.recompute_ratio)
         stats.take_prefill(report)
