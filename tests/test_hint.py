@@ -243,3 +243,34 @@ def test_an_entry_the_store_did_not_take_is_tried_again_after_the_retry_interval
         jobs.submit("k", job)
         jobs.wait()
         assert runs == ["try", "try", "try"]
+
+
+def test_background_work_on_a_step_executor_runs_only_between_forwards():
+    """vLLM's worker multiplies with vLLM's own layers, which must not run on two threads
+    at once: its hint backfills used to run on a background thread during vLLM's forward
+    (once a stored hint decoded to nothing). On a StepExecutor they run only when the
+    worker drains it after the forward, or when a caller on its thread waits for them."""
+    import threading
+
+    from cacheblend.cache.background import KeyedJobs, StepExecutor
+
+    step = StepExecutor()
+    jobs = KeyedJobs(step, "hint backfill")
+    threads: list[threading.Thread] = []
+
+    def job() -> bool:
+        threads.append(threading.current_thread())
+        return True
+
+    def broken() -> bool:
+        raise RuntimeError("a failing backfill is logged, never raised into the step")
+
+    jobs.submit("a", job)
+    jobs.submit("b", broken)
+    jobs.submit("a", job)  # one pending per key
+    assert threads == []
+    assert step.run_pending() == 2 and threads == [threading.current_thread()]
+    assert step.run_pending() == 0
+    jobs.submit("c", job)
+    jobs.wait("c")  # a wait on the worker's thread (a release) runs it rather than deadlocking
+    assert threads == [threading.current_thread()] * 2

@@ -4,7 +4,8 @@ Two kinds of work leave a request without delaying its first token: precomputing
 passage first seen inside a prompt (*learning*: the prompt computed it in place, the next
 one reuses it), and adding a deviation hint to an entry stored before hints existed (the
 *hint backfill*: the prompt ran the full check, the next one checks the pool).  Both run on
-one background thread, so they never take both cores from the requests.
+one background thread, so they never take both cores from the requests; or, in vLLM's
+worker, between forwards (:class:`StepExecutor`).
 """
 
 from __future__ import annotations
@@ -12,17 +13,55 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 log = logging.getLogger("cacheblend")
 
-__all__ = ["KeyedJobs", "RETRY_AFTER_S"]
+__all__ = ["KeyedJobs", "RETRY_AFTER_S", "StepExecutor"]
 
 RETRY_AFTER_S = 600.0
 """How long a key whose job could not improve its entry waits before it is tried again: a
 store mounted read-only at start may be writable an hour later, but trying on every lookup
 would cost each prompt a job."""
+
+
+class StepExecutor(Executor):
+    """Runs submitted jobs only when :meth:`run_pending` is called, on the caller's thread.
+
+    vLLM's worker multiplies with vLLM's own linear layers (:mod:`..integrations.vllm_model`),
+    whose oneDNN matmuls on CPU share one process-wide scratchpad and unlocked primitive
+    caches.  A background thread running them while vLLM's forward runs races on both: a
+    hint backfill that overlapped a forward stored a hint that decoded to nothing, and
+    vLLM's own outputs in that step were at the same risk.  The worker runs this work
+    after each forward instead (:meth:`.ChunkCache.run_background_on`)."""
+
+    def __init__(self) -> None:
+        self._jobs: deque[tuple[Future, Callable[..., object], tuple, dict]] = deque()
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., object], /, *args: object, **kwargs: object) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self._jobs.append((future, fn, args, kwargs))
+        return future
+
+    def run_pending(self) -> int:
+        """Run every job queued so far (and any they queue); how many ran."""
+        ran = 0
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    return ran
+                future, fn, args, kwargs = self._jobs.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
+            ran += 1
 
 
 class KeyedJobs:
@@ -67,8 +106,15 @@ class KeyedJobs:
                     self._failed[key] = self._clock()
         return ok
 
+    def use(self, executor: Executor) -> None:
+        """Run later jobs on ``executor`` (those already submitted stay where they are)."""
+        self._executor = executor
+
     def wait(self, key: str | None = None) -> None:
-        """Wait until ``key``'s job (or every pending one) has finished; its errors were logged."""
+        """Wait until ``key``'s job (or every pending one) has finished; its errors were logged.
+        Jobs of a :class:`StepExecutor` are run now, on this thread."""
+        if isinstance(self._executor, StepExecutor):
+            self._executor.run_pending()
         with self._lock:
             pending = [self._pending.get(key)] if key is not None else list(self._pending.values())
         for future in pending:

@@ -13,7 +13,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +98,12 @@ class ChunkCache:
         background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheblend-learn")
         self._learning = KeyedJobs(background, "precompute")  # by handle key: chunks first seen in a prompt
         self._hinting = KeyedJobs(background, "hint backfill", RETRY_AFTER_S)  # by entry key (background.py)
+
+    def run_background_on(self, executor: Executor) -> None:
+        """Run learning and hint backfills on ``executor`` from now on: vLLM's worker gives a
+        :class:`~.background.StepExecutor` that it drains between forwards."""
+        self._learning.use(executor)
+        self._hinting.use(executor)
 
     # -- identity ----------------------------------------------------------------------
     def handle(self, ids: Sequence[int]) -> ChunkHandle:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..cache.background import StepExecutor
 from ..cache.chunks import LookupCounter
 from ..cache.segments import span_segments
 from ..config import ConnectorConfig
@@ -55,6 +56,7 @@ class WorkerSide:
         self._layout = LayoutCheck(False, "?", "no KV caches registered yet")
         self._failed_blocks: set[int] = set()
         self._step_receipts: dict[str, dict] = {}  # this step's receipts, for the scheduler side
+        self._between_forwards = StepExecutor()  # the engine's background work, run after each forward
         self.last_stats: dict[str, Any] = {}
 
     def engine(self) -> Engine:
@@ -62,6 +64,7 @@ class WorkerSide:
         if self._engine is None:
             c = self.config
             self._engine = worker_engine(self.model_dir, c.store, self.dtype, self.chunk_sink, c.kv_dtype)
+            self._engine.chunks.run_background_on(self._between_forwards)
         return self._engine
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -177,13 +180,17 @@ class WorkerSide:
         return failed
 
     def save_all(self, meta: CacheBlendMeta) -> None:
-        """After the forward: store the chunks of this step's ingest requests."""
+        """After the forward: store the chunks of this step's ingest requests, then run the
+        engine's background work (hint backfills) on this thread, while no forward runs:
+        the products are vLLM's own layers, which a second thread must not call
+        (:class:`~cacheblend.cache.background.StepExecutor`)."""
         for save in meta.saves:
             try:
                 with torch.inference_mode():
                     self._save(save)
             except Exception:  # noqa: BLE001 - the chunk is then computed by the core on first use
                 log.exception("CacheBlend save failed for %s", save.req_id)
+        self._between_forwards.run_pending()  # each job logs its own failure (KeyedJobs)
 
     def take_receipts(self) -> dict[str, dict]:
         receipts, self._step_receipts = self._step_receipts, {}
