@@ -138,6 +138,14 @@ def test_a_chat_without_passages_reads_its_system_instruction_exactly(server, re
     assert load["op"] == "load" and load["chunks"] == 0 and load["prefix_cached"] and load["fidelity"]["exact"]
     assert gen.result.usage["cached_tokens"] == load["fidelity"]["exact_cached_tokens"] > 40
     assert gen.result.usage["approximate_tokens"] == load["fidelity"]["approximate_tokens"] == 0
+    # a long question behind a short system message: vLLM's own prefill, not the worker's
+    loads = len(stats(server))
+    long_question = [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": " ".join(reversed(example.passages[0].split())) + "\n\n"
+                      + example.question}]  # no known passage in it
+    gen = remote.start_chat(long_question, learn=False, max_new_tokens=2)
+    "".join(gen.pieces)
+    assert len(stats(server)) == loads and gen.result.stats.exact and gen.result.usage["cached_tokens"] == 0
 
 
 def test_langchain_chat_model_on_the_server(server, remote, example):

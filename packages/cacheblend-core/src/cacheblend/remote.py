@@ -261,8 +261,12 @@ class RemoteEngine(Answering):
                                   f"{self.context_length} tokens")
         spans = chunk_spans(prompt) if opts.method != "full" else []
         # the prompt's prefix, read by the worker from the prefix cache: before the first
-        # chunk, or a chunkless chat's system instruction (``prefix``)
+        # chunk, or a chunkless chat's system instruction (``prefix``).  The worker computes
+        # the rest inside one step, holding up every other request's decode, so a chunkless
+        # prompt whose rest is longer than its prefix is left to vLLM's own chunked prefill.
         head = spans[0][0] if spans else len(prompt.prefix) if opts.method != "full" else 0
+        if not spans and 2 * head < len(ids):
+            head = 0
         if spans and self._exact_behind_sink and ids[:head] == list(self._sink):
             head = spans[0][1]  # and the first chunk, right behind the sink: reused exactly
         chunk_tokens = sum(b - a for a, b in spans if a >= head)  # reused approximately
