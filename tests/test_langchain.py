@@ -108,6 +108,25 @@ def test_drop_in_learns_unseen_passages_then_reuses_them(engine):
     assert _stats(second)["store_hits"] >= learned
 
 
+def test_hubs_rag_prompt_learns_the_passages_not_the_question(engine):
+    """LangChain hub's rlm/rag-prompt puts the question on a line above the context: the
+    instruction, the question and the first passage were learned as one chunk, a new
+    store entry on every request that was never reused."""
+    llm = ChatCacheBlend(engine=engine, max_tokens=4)
+    examples = load_qa("musique", "dev", limit=6, passages=3)[4:]
+    bodies = [p.split("\n\n", 1)[1] for p in examples[1].passages]  # no other test passes them
+    prompt = ChatPromptTemplate.from_messages([("human", (
+        "You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "
+        "answer the question. If you don't know the answer, just say that you don't know. Use three sentences "
+        "maximum and keep the answer concise.\nQuestion: {question} \nContext: {context} \nAnswer:"))])
+    first = (prompt | llm).invoke({"context": "\n\n".join(bodies), "question": examples[0].question})
+    long_bodies = sum(len(b) >= engine.learn_min_chars for b in bodies)
+    assert _stats(first)["chunks_learned"] == long_bodies + 1  # and the instruction
+    second = (prompt | llm).invoke({"context": "\n\n".join(reversed(bodies)), "question": examples[1].question})
+    assert _stats(second)["chunks_learned"] == 0 and _stats(second)["chunks"] == _stats(first)["chunks"]
+    assert _stats(second)["store_hits"] >= _stats(first)["chunks_learned"]
+
+
 def test_retrieval_chain_builder_and_langchains_own_chain(llm, example, embeddings):
     from langchain_classic.chains import create_retrieval_chain
     from langchain_classic.chains.combine_documents import create_stuff_documents_chain

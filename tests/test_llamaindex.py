@@ -259,6 +259,28 @@ def test_stock_query_engine_reuses_ingested_nodes(engine, nodes, embed_model, mo
     assert stats["chunks"] == len(nodes) and stats["store_hits"] >= len(nodes) and stats["reused_tokens"] > 0
 
 
+def test_stock_query_engine_learns_unseen_nodes_without_the_query(engine, embed_model):
+    """LlamaIndex's default text_qa template puts a rule and the query right under the
+    context: the last node was learned with them, once per query, and never reused."""
+    from cacheblend.datasets import load_qa
+
+    recorder = StatsRecorder()
+    llm = CacheBlendLLM(engine=engine, max_tokens=4)
+    examples = load_qa("musique", "dev", limit=4, passages=3)
+    index = VectorStoreIndex([TextNode(text=p.split("\n\n", 1)[1]) for p in examples[3].passages],
+                             embed_model=embed_model)  # never ingested: learned from the prompt
+    saved = Settings.callback_manager
+    Settings.callback_manager = CallbackManager([recorder])
+    try:
+        for ex in examples[2:]:
+            index.as_query_engine(llm=llm, response_mode="compact", similarity_top_k=3).query(ex.question)
+    finally:
+        Settings.callback_manager = saved
+    first, second = recorder.calls
+    assert first["chunks_learned"] == first["chunks"] == 3
+    assert second["chunks_learned"] == 0 and second["chunks"] == 3 and second["store_hits"] >= 3
+
+
 def test_bad_input_is_reported_clearly(llm, engine):
     with pytest.raises(ValueError, match="method must be one of"):
         CacheBlendLLM(engine=engine, method="fastest")

@@ -163,6 +163,46 @@ def test_only_the_first_unknown_system_paragraph_is_kept_out_of_the_chunks(engin
     assert again.stats.chunks == len(PASSAGES)  # a known passage opens the message: all are chunks
 
 
+# Three templates as their libraries ship them: LangChain hub's rlm/rag-prompt (the
+# question above the context), LlamaIndex's default text_qa (rules round the context, the
+# query on a line of its own), LangChain's stuff chat prompt (a rule, then the context).
+RLM_RAG = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
+           "to answer the question. If you don't know the answer, just say that you don't know. Use three "
+           "sentences maximum and keep the answer concise.\nQuestion: {q} \nContext: {c} \nAnswer:")
+TEXT_QA = ("Context information is below.\n---------------------\n{c}\n---------------------\nGiven the "
+           "context information and not prior knowledge, answer the query.\nQuery: {q}\nAnswer: ")
+STUFF_SYSTEM = ("Use the following pieces of context to answer the user's question.\nIf you don't know the "
+                "answer, just say that you don't know, don't try to make up an answer.\n----------------\n{c}")
+
+
+@pytest.mark.parametrize("template", [RLM_RAG, TEXT_QA])
+def test_a_templates_question_line_is_never_learned_and_its_passages_are(engine, template):
+    """The question on a line of its own inside a paragraph ("Question: ...", "Query: ...")
+    was learned with the passage or instruction it touched: one new store entry per
+    request, never reused, and that passage never found alone again."""
+    from cacheblend.chat import plan_chat
+
+    index = PassageIndex()
+    calls = [(QUERY, PASSAGES), ("Which river flows through Vienna?", PASSAGES[::-1])]
+    plans = [plan_chat(engine.prompts, index, [{"role": "user", "content": template.format(q=q, c="\n\n".join(docs))}],
+                       learn_min_chars=60) for q, docs in calls]
+    assert all(q not in p for (q, _), plan in zip(calls, plans, strict=True) for p in plan.learned)
+    assert set(PASSAGES) <= set(plans[0].learned)
+    assert plans[1].learned == [] and len(plans[1].prompt.chunks) == len(plans[0].prompt.chunks)
+
+
+def test_a_passage_behind_a_rule_in_the_system_message_is_learned_not_kept(engine):
+    """LangChain's stuff chat prompt: a short instruction, a rule, the context.  The first
+    retrieved passage was kept in the prefix as if it were the instruction (and glued to
+    it): it was never cached as a chunk while it came first."""
+    from cacheblend.chat import plan_chat
+
+    messages = [{"role": "system", "content": STUFF_SYSTEM.format(c="\n\n".join(PASSAGES))},
+                {"role": "user", "content": QUERY}]
+    plan = plan_chat(engine.prompts, PassageIndex(), messages, learn_min_chars=60)
+    assert plan.learned == PASSAGES and len(plan.prompt.chunks) == len(PASSAGES)
+
+
 def test_release_forgets_passages_and_deletes_caches(engine):
     handles = engine.ingest(PASSAGES[:2])
     assert engine.release(PASSAGES[:1]) == 1

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import CacheBlendError
-from .passages import PassageIndex, Piece, cut
+from .passages import PassageIndex, Piece, cut, has_rule
 from .prompt import PromptBuilder, PromptIds
 
 ROLES = ("system", "user", "assistant")
@@ -101,20 +101,28 @@ def plan_chat(
 
 def keep_instruction(pieces: list[Piece]) -> int | None:
     """Keep the system message's first learned paragraph out of the chunks, when no known
-    passage comes before it: the index of the piece made plain text, or None.
+    passage and no rule line (``-----``) comes before it: the index of the piece made
+    plain text, or None.
 
     That paragraph is, in almost every chat, the application's fixed instruction.  Learned,
     it was blended from the second call on: precomputed behind the sink rather than behind
     the system turn's opening, approximate on every answer (on dev, the answer changed).
     Left in the prompt's prefix it is reused exactly from the prefix cache, as fast.  A
-    retrieved passage that opens a system message instead (the template pasted the context
-    first) is then kept as prefix on that call and learned where it next appears elsewhere."""
+    paragraph behind a rule is the pasted context of a template that separates it so
+    (LangChain's stuff prompt: a short instruction, ``----------------``, the context):
+    kept, the first retrieved passage was never cached as a chunk.  A retrieved passage
+    that opens a system message with nothing before it is kept as prefix on that call and
+    learned where it next appears elsewhere."""
+    before = ""
     for j, p in enumerate(pieces):
         if p.passage is not None and not p.learned:
             return None  # a known passage opens the message: the prefix ends before it anyway
         if p.learned:
+            if has_rule(before):
+                return None
             pieces[j] = Piece(p.text)
             return j
+        before += p.text
     return None
 
 

@@ -23,6 +23,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+# A rule between a template's parts ("-----", "=====", "***" on a line of its own), a
+# paragraph break as much as a blank line: LlamaIndex's text_qa template and LangChain's
+# stuff prompt put one between their text and the context, with no blank line around it
+_RULE = re.compile(r"^[ \t]*([-=_*])\1{2,}[ \t]*(?:\n|$)", re.M)
+# The line a template puts the question on, wherever it sits ("Question: {question}" above
+# the context in LangChain hub's rlm/rag-prompt, "Query: {query_str}" in LlamaIndex's)
+_QUESTION_LINE = re.compile(r"^[ \t]*(?:(?:user(?:'s)? )?(?:question|query)|q)[ \t]*:[^\n]*(?:\n|$)", re.I | re.M)
 # A template's label in front of a passage: "Context:", "Source 1:", "Document [2]:", ...
 _LABEL = re.compile(r"[A-Z][A-Za-z]*(?: [A-Za-z]+){0,3}(?: ?[#\[(]?\d+[\])]?)?:[ \t]*\n?[ \t]*")
 
@@ -144,21 +151,43 @@ def _whole(text: str, start: int, end: int) -> bool:
     return not (cut_before or cut_after)
 
 
-def paragraphs(text: str, min_chars: int) -> list[Span]:
-    """Paragraphs of ``text`` (split at blank lines) of at least ``min_chars`` characters,
-    as learned spans.  Used only on text that holds no known passage: this is a guess at
-    chunk boundaries, made so that a passage seen once is reused the next time."""
+def paragraphs(text: str, min_chars: int, questions: bool = False) -> list[Span]:
+    """Paragraphs of ``text`` (split at blank lines and at rule lines such as ``-----``) of
+    at least ``min_chars`` characters, as learned spans; with ``questions``, a question line
+    (``Question: ...``, ``Query: ...``) splits them too and is never part of one.  Used only
+    on text that holds no known passage: this is a guess at chunk boundaries, made so that
+    a passage seen once is reused the next time.  A paragraph glued to a template's header
+    or question by single newlines was learned with them: never reused (the question
+    changes on every call), and one new store entry per request."""
     spans, pos = [], 0
-    for m in [*_PARAGRAPH_BREAK.finditer(text), None]:
-        end = m.start() if m else len(text)
-        body = text[pos:end]
+    for start, end in [*_breaks(text, questions), (len(text), len(text))]:
+        body = text[pos:start]
         lead = len(body) - len(body.lstrip())
         core = body.strip()
         if len(core) >= min_chars:
             spans.append(Span(pos + lead, pos + lead + len(core), learned=True))
-        if m:
-            pos = m.end()
+        pos = end
     return spans
+
+
+def has_rule(text: str) -> bool:
+    """Whether ``text`` holds a rule line (``-----``): in a template, what follows one is
+    the pasted context, not the template's own text."""
+    return _RULE.search(text) is not None
+
+
+def _breaks(text: str, questions: bool) -> list[tuple[int, int]]:
+    """The ``[start, end)`` of every paragraph break in ``text``, merged where they touch."""
+    found = [m.span() for m in _PARAGRAPH_BREAK.finditer(text)] + [m.span() for m in _RULE.finditer(text)]
+    if questions:
+        found += [m.span() for m in _QUESTION_LINE.finditer(text)]
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(found):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 @dataclass(frozen=True)
@@ -175,8 +204,8 @@ def cut(text: str, index: PassageIndex, learn_min_chars: int | None, keep_tail: 
     """``text`` as pieces: known passages, then (when
     ``learn_min_chars``) long paragraphs of the rest.  A chunk piece takes the blank line
     after it, as :meth:`PromptBuilder.chunk_ids` does, so a passage ingested on its own and
-    one found in a prompt share a cache.  With ``keep_tail`` the last paragraph (the
-    question) is never learned."""
+    one found in a prompt share a cache.  With ``keep_tail`` (the message that asks the
+    question) the last paragraph and any question line are never learned."""
     found = index.find(text)
     if learn_min_chars:
         gaps, pos = [], 0
@@ -185,7 +214,7 @@ def cut(text: str, index: PassageIndex, learn_min_chars: int | None, keep_tail: 
             pos = s.end
         tail = _tail_start(text) if keep_tail else len(text)
         for a, b in gaps:
-            for s in paragraphs(text[a:min(b, tail)] if a < tail else "", learn_min_chars):
+            for s in paragraphs(text[a:min(b, tail)] if a < tail else "", learn_min_chars, keep_tail):
                 span = _unlabelled(text, a + s.start, a + s.end, learn_min_chars)
                 if span is not None:
                     found.append(span)
