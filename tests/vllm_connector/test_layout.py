@@ -222,7 +222,7 @@ def test_caches_off_the_cpu_are_refused_before_anything_loads():
 
     def reference():
         raise AssertionError("the reference chunk must not be computed for caches off the CPU")
-    check = start_up_check(kv, ["a", "b"], None, None, reference)
+    check = start_up_check(kv, ["a", "b"], None, None, reference, lambda: None)
     assert not check.ok and "meta" in check.reason and "CPU only" in check.reason, check
     assert kv.layout is None
 
@@ -237,6 +237,6 @@ def test_a_self_check_that_cannot_run_turns_blending_off_instead_of_failing_the_
 
     def reference():
         raise RuntimeError("Expected all tensors to be on the same device")
-    check = start_up_check(kv, ["a", "b"], None, None, reference)
+    check = start_up_check(kv, ["a", "b"], None, None, reference, lambda: None)
     assert not check.ok and "could not run" in check.reason and "same device" in check.reason, check
     assert kv.layout is None

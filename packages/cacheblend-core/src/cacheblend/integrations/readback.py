@@ -108,9 +108,11 @@ def verify(paged: PagedKV, names: list[str], vllm_config: Any, kv_cache_config: 
 
 
 def start_up_check(paged: PagedKV, names: list[str], vllm_config: Any, kv_cache_config: Any,
-                   reference: Callable[[], ChunkKV]) -> LayoutCheck:
+                   reference: Callable[[], ChunkKV], rope: Callable[[], str | None]) -> LayoutCheck:
     """The verdict a worker reports at start-up: :func:`verify` on the reference chunk K/V
-    that ``reference()`` computes (the core engine loads on first call), never an exception.
+    that ``reference()`` computes (the core engine loads on first call), then ``rope()``,
+    which says why vLLM's RoPE differs from the core's, if it does
+    (:func:`.rope_check.rope_problem`); never an exception.
     The worker's fused prefill runs on the CPU, so KV caches on another device (a CUDA
     backend) are refused before anything loads, and a check that cannot run at all is a
     failed check: either way the server answers as plain vLLM, with the reason in its log."""
@@ -121,7 +123,13 @@ def start_up_check(paged: PagedKV, names: list[str], vllm_config: Any, kv_cache_
                                            "worker blends on the CPU only")
     try:
         probe = reference()
-        return verify(paged, names, vllm_config, kv_cache_config, probe.k, probe.v)
+        check = verify(paged, names, vllm_config, kv_cache_config, probe.k, probe.v)
+        problem = rope() if check.ok else None
+        if problem:
+            paged.layout = None
+            return LayoutCheck(False, check.backend, problem)
+        return LayoutCheck(check.ok, check.backend, check.reason + ("; vLLM's RoPE rotates as the core's"
+                                                                    if check.ok else ""))
     except Exception as e:  # noqa: BLE001 - a worker that cannot check its layout must not blend, nor crash
         paged.layout = None
         return LayoutCheck(False, backend, f"the self-check could not run: {type(e).__name__}: {e}")

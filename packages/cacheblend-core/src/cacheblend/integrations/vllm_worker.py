@@ -31,8 +31,9 @@ from ..results import BlendStats
 from ..store import ChunkKV, tier_total
 from .paged import LayoutCheck, PagedKV, layer_order
 from .readback import start_up_check
+from .rope_check import rope_problem, rotary_for
 from .vllm_meta import BlendLoad, CacheBlendMeta, ChunkSave, LayoutReport
-from .vllm_model import worker_engine
+from .vllm_model import loaded_model, worker_engine
 
 log = logging.getLogger("vllm.cacheblend")  # under "vllm", so vLLM's log handler shows it
 
@@ -73,7 +74,8 @@ class WorkerSide:
         names = layer_order(kv_caches)
         attention = self.vllm_config.compilation_config.static_forward_context
         self._paged = PagedKV([kv_caches[n] for n in names], [attention.get(n) for n in names], self.block_size)
-        self._layout = start_up_check(self._paged, names, self.vllm_config, self.kv_cache_config, self._reference)
+        self._layout = start_up_check(self._paged, names, self.vllm_config, self.kv_cache_config, self._reference,
+                                      self._rope_problem)
         (log.info if self._layout.ok else log.warning)("CacheBlend KV layout self-check %s on %s: %s",
                                                        "passed" if self._layout.ok else "FAILED (blending is off)",
                                                        self._layout.backend, self._layout.reason)
@@ -83,6 +85,11 @@ class WorkerSide:
         eng = self.engine()
         return eng.chunks.precompute(eng.prompts.chunk_ids("CacheBlend layout self-check: a known chunk.")
                                      [: self.block_size - len(eng.chunks.sink)])
+
+    def _rope_problem(self) -> str | None:
+        """Why vLLM's RoPE differs from the core's, if it does (:mod:`.rope_check`)."""
+        rotary = rotary_for(loaded_model(), self.vllm_config)
+        return rope_problem(self.engine().decoder, rotary, self.vllm_config.model_config.max_model_len)
 
     def layout_report(self) -> LayoutReport:
         return LayoutReport(self._layout.ok, self._layout.backend, self._layout.reason)
