@@ -31,8 +31,10 @@ def ab_arguments(doc: str | None,
     return ap.parse_args()
 
 
-def switch_arguments(doc: str | None, skip: int) -> argparse.Namespace:
-    """``--skip`` (the first dev prompt), ``--limit``, ``--rounds``, ``--data``, ``--model``, ``--out``."""
+def switch_arguments(doc: str | None, skip: int,
+                     extra: Callable[[argparse.ArgumentParser], object] | None = None) -> argparse.Namespace:
+    """``--skip`` (the first dev prompt), ``--limit``, ``--rounds``, ``--data``, ``--model``,
+    ``--out``; ``extra(parser)`` adds a script's own."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     ap.add_argument("--skip", type=int, default=skip, help="start at this dev prompt")
     ap.add_argument("--limit", type=int, default=20)
@@ -40,6 +42,8 @@ def switch_arguments(doc: str | None, skip: int) -> argparse.Namespace:
     ap.add_argument("--data", default=None, help="data folder (default: $CACHEBLEND_DATA)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None, help="JSON output")
+    if extra is not None:
+        extra(ap)
     return ap.parse_args()
 
 

@@ -16,7 +16,14 @@ instruction given as a known passage too (so it is a chunk, as a learned one was
 no passages (a chat without retrieval).  It reports first-token agreement and KL against
 full prefill (with the paired KL difference new − old and its 95 % bootstrap interval)
 and TTFT: the best of ``--rounds`` per prompt, the variants interleaved, every cache
-already stored (the first untimed call of each variant stores them).
+already stored (the first untimed calls of each variant store them).
+
+``--paragraphs 3`` makes the instruction three paragraphs.  ``old`` then names the second
+and third as passages, so only the first stays in the prefix (the plan of 2026-12-06);
+``new`` keeps all three, as openings seen on earlier requests (``chat.HeadMemory``).
+
+    .venv/bin/python benchmarks/system_instruction.py --paragraphs 3 --skip 87 --limit 13 \
+        --rounds 2 --data ../shared/data --out system-instruction-3.json
 """
 
 from __future__ import annotations
@@ -43,35 +50,56 @@ INSTRUCTION = (
 )
 
 
-def _chat(question: str, passages: list[str]) -> list[dict[str, str]]:
+MORE = (
+    "Cite the passage you answer from by its title, and never quote more than one sentence of "
+    "it. Keep names, dates and numbers exactly as the passage spells them, even where another "
+    "spelling is more common, and give units as the passage gives them.",
+    "Write for a reader who has not seen the passages: no pronoun without its noun, no "
+    "abbreviation the passages do not spell out, no lists, and never more than two sentences. "
+    "If two passages disagree, say so and name both.",
+)
+
+
+def _instruction(paragraphs: int) -> list[str]:
+    return [INSTRUCTION, *MORE[: paragraphs - 1]]
+
+
+def _chat(system: list[str], question: str, passages: list[str]) -> list[dict[str, str]]:
     context = "".join(p + "\n\n" for p in passages)
-    return [{"role": "system", "content": INSTRUCTION},
+    return [{"role": "system", "content": "\n\n".join(system)},
             {"role": "user", "content": f"{context}Question: {question}"}]
 
 
-def _variants(passages: list[str]) -> dict[str, dict]:
-    """name -> start_chat options; ``old`` names the instruction as a passage, so it is a chunk."""
+def _variants(system: list[str], passages: list[str]) -> dict[str, dict]:
+    """name -> start_chat options.  ``old`` names the instruction as a passage (one
+    paragraph: a chunk, as learning made it before 2026-12-06), or its paragraphs after the
+    first (several: chunks, as on 2026-12-06)."""
+    named = system if len(system) == 1 else system[1:]
     return {"full": {"documents": passages, "method": "full"},
-            "old": {"documents": [INSTRUCTION, *passages]},
+            "old": {"documents": [*named, *passages]},
             "new": {"documents": passages}}
 
 
-def _ask(engine: Engine, messages: list[dict[str, str]], opts: dict):
-    """One answer; the instruction is a known passage only during an ``old`` call (its cache
-    stays stored between calls), so that ``new`` calls plan it as the engine does today."""
+def _ask(engine: Engine, messages: list[dict[str, str]], opts: dict, system: list[str]):
+    """One answer; the instruction's paragraphs are known passages only during an ``old``
+    call (their caches stay stored between calls), so that ``new`` calls plan them as the
+    engine does today."""
     try:
         gen = engine.start_chat(messages, max_new_tokens=1, **opts)
         for _ in gen.pieces:
             pass
         return gen.result
     finally:
-        engine.passages.discard(INSTRUCTION)
+        for paragraph in system:
+            engine.passages.discard(paragraph)
 
 
-def _measure(engine: Engine, messages: list[dict[str, str]], variants: dict[str, dict], rounds: int) -> dict:
-    for opts in variants.values():  # untimed: stores every cache (prefixes, the instruction as a chunk)
-        _ask(engine, messages, opts)
-    res = {name: _ask(engine, messages, opts) for name, opts in variants.items()}
+def _measure(engine: Engine, messages: list[dict[str, str]], variants: dict[str, dict], rounds: int,
+             system: list[str]) -> dict:
+    for _ in range(2):  # untimed: stores every cache (prefixes, the instruction as chunks)
+        for opts in variants.values():
+            _ask(engine, messages, opts, system)
+    res = {name: _ask(engine, messages, opts, system) for name, opts in variants.items()}
     full = res["full"]
     row = {name: {"agree": float(r.token_ids[0] == full.token_ids[0]),
                   "kl": kl_first_token(full.first_token_logits, r.first_token_logits),
@@ -79,7 +107,7 @@ def _measure(engine: Engine, messages: list[dict[str, str]], variants: dict[str,
            for name, r in res.items()}
     for _ in range(rounds):  # interleaved; the best run of each
         for name, opts in variants.items():
-            row[name]["ttft_s"] = min(row[name]["ttft_s"], _ask(engine, messages, opts).ttft_s)
+            row[name]["ttft_s"] = min(row[name]["ttft_s"], _ask(engine, messages, opts, system).ttft_s)
     return row
 
 
@@ -101,17 +129,19 @@ def _summary(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    args = switch_arguments(__doc__, skip=60)
+    args = switch_arguments(__doc__, skip=60, extra=lambda ap: ap.add_argument(
+        "--paragraphs", type=int, default=1, choices=(1, 2, 3), help="paragraphs of the system instruction"))
+    system = _instruction(args.paragraphs)
     torch.set_num_threads(2)
     engine = Engine.load(args.model, store="memory")
     examples = load_qa("musique", "dev", args.skip + args.limit, 6, args.data)[args.skip:]
     rag, chat = [], []
     for i, ex in enumerate(examples):
         engine.ingest(ex.passages)
-        rag.append({"prompt": args.skip + i, **_measure(engine, _chat(ex.question, ex.passages),
-                                                       _variants(ex.passages), args.rounds)})
-        alone = [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": ex.question}]
-        chat.append({"prompt": args.skip + i, **_measure(engine, alone, _variants([]), args.rounds)})
+        rag.append({"prompt": args.skip + i, **_measure(engine, _chat(system, ex.question, ex.passages),
+                                                       _variants(system, ex.passages), args.rounds, system)})
+        alone = [{"role": "system", "content": "\n\n".join(system)}, {"role": "user", "content": ex.question}]
+        chat.append({"prompt": args.skip + i, **_measure(engine, alone, _variants(system, []), args.rounds, system)})
         print(json.dumps({"rag": rag[-1], "chat": chat[-1]}), flush=True)
     summary = {"rag": _summary(rag), "chat": _summary(chat)}
     for kind, s in summary.items():
@@ -123,7 +153,7 @@ def main() -> None:
                   f"{v['speed_up']:.2f}x over full ({s['full_ttft_s']:.3f} s), {v['ttft_vs_old']:.3f} of old")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "instruction": INSTRUCTION, "rag": rag, "chat": chat,
+            json.dump({"args": vars(args), "instruction": system, "rag": rag, "chat": chat,
                        "summary": summary}, f, indent=1)
 
 

@@ -203,6 +203,55 @@ def test_a_passage_behind_a_rule_in_the_system_message_is_learned_not_kept(engin
     assert plan.learned == PASSAGES and len(plan.prompt.chunks) == len(PASSAGES)
 
 
+RULES = ("Cite the passage you answer from by its first words, and never quote more than one "
+         "sentence of it. Keep names as the passage spells them.")
+STYLE = ("Write for a reader who has not seen the passages: no pronoun without its noun, no "
+         "abbreviation the passages do not spell out, and no more than two sentences.")
+
+
+def test_a_system_instruction_of_several_paragraphs_stays_exact(engine):
+    """Only the instruction's first paragraph was kept in the prefix: the others, learned
+    on the first call, were blended from the second.  Paragraphs that open the system
+    message as they did on an earlier request are kept too: exact from the third call
+    (the second reads the longer prefix for the first time)."""
+    engine.learn_min_chars = 60
+    engine.ingest(PASSAGES)
+    system = "\n\n".join((INSTRUCTION, RULES, STYLE))
+    rag = [{"role": "system", "content": system}, {"role": "user", "content": QUERY}]
+    first = _run(engine.start_chat(rag, documents=PASSAGES, **GEN))
+    assert first.stats.chunks_learned == 2 and first.stats.chunks == len(PASSAGES) + 2
+    for _ in range(2):
+        again = _run(engine.start_chat(rag, documents=PASSAGES, recompute_ratio=1.0, **GEN))
+    full = _run(engine.start_chat(rag, documents=PASSAGES, method="full", **GEN))
+    assert again.stats.chunks == len(PASSAGES) and again.stats.chunks_learned == 0
+    assert again.stats.exact_cached_tokens > len(engine.prompts.encode(system))
+    assert again.token_ids == full.token_ids
+    torch.testing.assert_close(again.first_token_logits, full.first_token_logits, atol=1e-3, rtol=1e-3)
+    alone = [{"role": "system", "content": system}, {"role": "user", "content": "Who was Marie Curie?"}]
+    for _ in range(2):
+        chat = _run(engine.start_chat(alone, **GEN))
+    assert chat.stats.exact and chat.stats.chunks == 0
+
+
+def test_only_an_opening_seen_before_is_kept_and_never_a_document(engine):
+    """Passages pasted into a system message are chunks while they change from request to
+    request; the same ones opening it again are kept (the prefix cache serves them
+    exactly); a passage given as ``documents`` stays a chunk wherever it sits."""
+    from cacheblend.chat import HeadMemory, plan_chat
+
+    heads, index = HeadMemory(), PassageIndex()
+
+    def plan(order, documents=()):
+        system = INSTRUCTION + "\n\n" + "\n\n".join(order)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": QUERY}]
+        return plan_chat(engine.prompts, index, messages, documents, learn_min_chars=60, heads=heads)
+
+    assert len(plan(PASSAGES).prompt.chunks) == len(PASSAGES)  # the instruction kept, the passages learned
+    assert len(plan(PASSAGES[::-1]).prompt.chunks) == len(PASSAGES)  # another opening: all chunks
+    assert len(plan(PASSAGES[:1] + PASSAGES[:0:-1]).prompt.chunks) == len(PASSAGES) - 1  # PASSAGES[0] opened it before
+    assert len(plan(PASSAGES, documents=PASSAGES[:1]).prompt.chunks) == len(PASSAGES)
+
+
 def test_release_forgets_passages_and_deletes_caches(engine):
     handles = engine.ingest(PASSAGES[:2])
     assert engine.release(PASSAGES[:1]) == 1

@@ -7,7 +7,10 @@ the same cache, whichever of them sends it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .errors import CacheBlendError
@@ -23,6 +26,36 @@ class ChatPlan:
 
     prompt: PromptIds
     learned: list[str]
+
+
+class HeadMemory:
+    """The openings of the system messages seen lately (hashes of their text up to the end
+    of each of their first paragraphs), bounded: a paragraph that an earlier request's
+    system message also opened with, after the same text, is part of the application's
+    fixed instruction (:func:`keep_instruction`).  One per engine; the adapters plan
+    requests on worker threads, so it holds a lock."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(opening: str) -> bytes:
+        return hashlib.blake2b(opening.encode(), digest_size=16).digest()
+
+    def seen(self, opening: str) -> bool:
+        with self._lock:
+            return self._key(opening) in self._seen
+
+    def remember(self, openings: Iterable[str]) -> None:
+        with self._lock:
+            for opening in openings:
+                key = self._key(opening)
+                self._seen[key] = None
+                self._seen.move_to_end(key)
+            while len(self._seen) > self.capacity:
+                self._seen.popitem(last=False)
 
 
 def check_messages(messages) -> list[dict[str, str]]:
@@ -57,11 +90,13 @@ def plan_chat(
     *,
     learn: bool = True,
     learn_min_chars: int = 200,
+    heads: HeadMemory | None = None,
 ) -> ChatPlan:
     """Known passages (in ``passages``, or given as ``documents``) are found in the message
     contents by their text; with ``learn``, long paragraphs of system and user contents
     become chunks too, except the last paragraph of the last user message (the question)
-    and the system message's first (:func:`keep_instruction`).  ``documents`` not
+    and the system message's opening (:func:`keep_instruction`, with ``heads``, the
+    openings seen before).  ``documents`` not
     already in the messages go in front of the last user message.  Adds the documents and
     learned paragraphs to ``passages``."""
     msgs = check_messages(messages)
@@ -89,41 +124,59 @@ def plan_chat(
         learnable = learn and msgs[i]["role"] in ("system", "user")
         cut_pieces = cut(text, passages, learn_min_chars if learnable else None, keep_tail=i in question)
         if i == 0 and msgs[0]["role"] == "system":
-            kept = keep_instruction(cut_pieces)
+            ingested = {p.passage.strip() for p in cut_pieces
+                        if p.passage is not None and not p.learned and not passages.learned(p.passage)}
+            kept = keep_instruction(cut_pieces, heads, ingested)
             head = len(pieces) + kept + 1 if kept is not None else 0
         pieces += cut_pieces
     prompt = layout(prompts, pieces, head)
     learned = [p.passage for p in pieces if p.learned and p.passage]
     for passage in learned:
-        passages.add(passage)
+        passages.add(passage, learned=True)
     return ChatPlan(prompt, learned)
 
 
-def keep_instruction(pieces: list[Piece]) -> int | None:
-    """Keep the system message's first learned paragraph out of the chunks, when no known
-    passage and no rule line (``-----``) comes before it: the index of the piece made
-    plain text, or None.
+def keep_instruction(pieces: list[Piece], heads: HeadMemory | None = None,
+                     ingested: set[str] | frozenset[str] = frozenset()) -> int | None:
+    """Keep the system message's opening out of the chunks: its first learned paragraph,
+    when no known passage and no rule line (``-----``) comes before it, and each paragraph
+    after it that an earlier system message in ``heads`` also opened with.  Returns the
+    index of the last piece made plain text, or None; remembers this message's openings.
 
-    That paragraph is, in almost every chat, the application's fixed instruction.  Learned,
-    it was blended from the second call on: precomputed behind the sink rather than behind
-    the system turn's opening, approximate on every answer (on dev, the answer changed).
-    Left in the prompt's prefix it is reused exactly from the prefix cache, as fast.  A
-    paragraph behind a rule is the pasted context of a template that separates it so
-    (LangChain's stuff prompt: a short instruction, ``----------------``, the context):
-    kept, the first retrieved passage was never cached as a chunk.  A retrieved passage
-    that opens a system message with nothing before it is kept as prefix on that call and
-    learned where it next appears elsewhere."""
-    before = ""
+    The first paragraph is, in almost every chat, the application's fixed instruction.
+    Learned, it was blended from the second call on: precomputed behind the sink rather
+    than behind the system turn's opening, approximate on every answer (on dev, the answer
+    changed).  Left in the prompt's prefix it is reused exactly from the prefix cache, as
+    fast.  An instruction of several paragraphs had only its first kept: the others,
+    learned on the first call, were blended from the second.  A paragraph that follows
+    the same text as on an earlier request is kept too; retrieved passages pasted into a
+    system message change from request to request, so they stay chunks, learned and
+    reused, unless the same ones open it again (then the prefix cache serves them exactly).
+    A paragraph behind a rule is the pasted context of a template that separates it so
+    (LangChain's stuff prompt: a short instruction, ``----------------``, the context).
+    Passages in ``ingested`` (ingested, or given as documents: not learned) are always
+    chunks, and the opening ends before the first of them."""
+    before, kept, keeping = "", None, True
+    openings: list[str] = []
     for j, p in enumerate(pieces):
-        if p.passage is not None and not p.learned:
+        if p.passage is None:
+            before += p.text
+            continue
+        if has_rule(before) or p.passage.strip() in ingested or len(openings) >= 16:
+            break
+        opening = before + p.text
+        if not openings and not p.learned:
             return None  # a known passage opens the message: the prefix ends before it anyway
-        if p.learned:
-            if has_rule(before):
-                return None
+        # the prefix is contiguous: past the first, a paragraph is kept while all before it were
+        keeping = not openings or (keeping and heads is not None and heads.seen(opening))
+        if keeping:
             pieces[j] = Piece(p.text)
-            return j
-        before += p.text
-    return None
+            kept = j
+        openings.append(opening)
+        before = opening
+    if heads is not None:
+        heads.remember(openings)
+    return kept
 
 
 def layout(prompts: PromptBuilder, pieces: list[Piece], head: int = 0) -> PromptIds:

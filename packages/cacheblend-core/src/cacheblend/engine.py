@@ -24,7 +24,7 @@ from .backend import Answering, check_request
 from .blend.controller import LoadingController
 from .blend.loader import pipelined
 from .cache.chunks import ChunkCache
-from .chat import plan_chat
+from .chat import HeadMemory, plan_chat
 from .config import EngineConfig, RequestOptions, chunk_sink_for
 from .errors import CacheBlendError
 from .generate.compiled import CompiledStep
@@ -70,6 +70,7 @@ class Engine(Answering):
         self.controller = LoadingController(pipelined=pipeline)
         self.prompts = PromptBuilder(self.tokenizer)
         self.passages = PassageIndex()  # texts of cached chunks, to find them in formatted prompts
+        self.heads = HeadMemory()  # system-message openings seen before: the fixed instruction
         self.chunk_sink: str = chunk_sink_for(self.config.chunk_sink, self.decoder.shape.model_type)
         kv_dtype = getattr(torch, self.config.kv_dtype) if self.config.kv_dtype else None
         self.chunks = ChunkCache(self.decoder, store, self.prompts, self.fingerprint,
@@ -216,7 +217,7 @@ class Engine(Answering):
         t0 = time.perf_counter()
         opts = RequestOptions.parse(options)
         plan = plan_chat(self.prompts, self.passages, messages, documents, learn=opts.learn,
-                         learn_min_chars=self.config.learn_min_chars)
+                         learn_min_chars=self.config.learn_min_chars, heads=self.heads)
         handles = [self.chunks.handle(ids) for ids in plan.prompt.chunks]
         # A passage found in the prompt by its text but not stored (learned now, or its cache
         # evicted) is computed in place, as full prefill would, and stored in the background

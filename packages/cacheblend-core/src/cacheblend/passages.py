@@ -59,7 +59,7 @@ class PassageIndex:
     def __init__(self, anchor: int = 48, capacity: int = 200_000) -> None:
         self.anchor = anchor
         self.capacity = capacity
-        self._texts: OrderedDict[str, None] = OrderedDict()
+        self._texts: OrderedDict[str, bool] = OrderedDict()  # text -> learned (not ingested or given)
         self._by_anchor: dict[str, set[str]] = {}
         self._short: set[str] = set()
         self._lock = threading.Lock()
@@ -72,20 +72,28 @@ class PassageIndex:
         with self._lock:
             return text in self._texts
 
-    def add(self, text: str) -> None:
+    def add(self, text: str, learned: bool = False) -> None:
         """Remember ``text``; stripped of leading and trailing whitespace too, since a
-        template may paste it either way (its cache is then the stripped text's own)."""
+        template may paste it either way (its cache is then the stripped text's own).
+        ``learned``: found in a prompt, not ingested or given as a document; a text added
+        both ways counts as ingested."""
         with self._lock:
             for variant in dict.fromkeys((text, text.strip())):
-                self._add(variant)
+                self._add(variant, learned)
 
-    def _add(self, text: str) -> None:
+    def learned(self, text: str) -> bool:
+        """Whether ``text`` is known only as a paragraph learned from prompts."""
+        with self._lock:
+            return self._texts.get(text, False)
+
+    def _add(self, text: str, learned: bool) -> None:
         if not text.strip():
             return
         if text in self._texts:
+            self._texts[text] = self._texts[text] and learned
             self._texts.move_to_end(text)
             return
-        self._texts[text] = None
+        self._texts[text] = learned
         if len(text) >= self.anchor:
             self._by_anchor.setdefault(text[: self.anchor], set()).add(text)
         else:

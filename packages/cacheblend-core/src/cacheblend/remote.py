@@ -26,7 +26,7 @@ from typing import Any
 
 from .backend import Answering, check_request
 from .cache.keys import chunk_key
-from .chat import chunk_spans, plan_chat
+from .chat import HeadMemory, chunk_spans, plan_chat
 from .config import CHUNK_SINKS, METHODS, SELECTION_FIELDS, EngineConfig, RequestOptions
 from .errors import CacheBlendError
 from .passages import PassageIndex
@@ -122,6 +122,7 @@ class RemoteEngine(Answering):
         self.tokenizer = AutoTokenizer.from_pretrained(str(source))
         self.prompts = PromptBuilder(self.tokenizer)
         self.passages = PassageIndex()
+        self.heads = HeadMemory()  # system-message openings seen before: the fixed instruction
         self.config = EngineConfig()
         self.chunk_sink, self._exact_behind_sink = self._check_connector()
         self._sink = self.prompts.sink_ids(self.chunk_sink)
@@ -241,7 +242,7 @@ class RemoteEngine(Answering):
         t0 = time.perf_counter()
         opts = RequestOptions.parse(options)
         plan = plan_chat(self.prompts, self.passages, messages, documents, learn=opts.learn,
-                         learn_min_chars=self.config.learn_min_chars)
+                         learn_min_chars=self.config.learn_min_chars, heads=self.heads)
         return self._send(plan.prompt, len(plan.learned), opts, t0)
 
     def _send(self, prompt: PromptIds, learned: int, options: RequestOptions | dict[str, Any],
