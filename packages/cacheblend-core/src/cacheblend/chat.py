@@ -28,9 +28,12 @@ class ChatPlan:
     learned: list[str]
 
 
+MAX_OPENING_PARAGRAPHS = 16  # of a system message, kept in the prefix or remembered
+
+
 class HeadMemory:
     """The openings of the system messages seen lately (hashes of their text up to the end
-    of each of their first paragraphs), bounded: a paragraph that an earlier request's
+    of each of their first :data:`MAX_OPENING_PARAGRAPHS` paragraphs), bounded: a paragraph that an earlier request's
     system message also opened with, after the same text, is part of the application's
     fixed instruction (:func:`keep_instruction`).  One per engine; the adapters plan
     requests on worker threads, so it holds a lock."""
@@ -156,13 +159,14 @@ def keep_instruction(pieces: list[Piece], heads: HeadMemory | None = None,
     (LangChain's stuff prompt: a short instruction, ``----------------``, the context).
     Passages in ``ingested`` (ingested, or given as documents: not learned) are always
     chunks, and the opening ends before the first of them."""
-    before, kept, keeping = "", None, True
+    before, kept, keeping, ruled = "", None, True, False
     openings: list[str] = []
     for j, p in enumerate(pieces):
         if p.passage is None:
             before += p.text
+            ruled = ruled or has_rule(p.text)
             continue
-        if has_rule(before) or p.passage.strip() in ingested or len(openings) >= 16:
+        if ruled or p.passage.strip() in ingested or len(openings) >= MAX_OPENING_PARAGRAPHS:
             break
         opening = before + p.text
         if not openings and not p.learned:

@@ -124,12 +124,13 @@ def start_up_check(paged: PagedKV, names: list[str], vllm_config: Any, kv_cache_
     try:
         probe = reference()
         check = verify(paged, names, vllm_config, kv_cache_config, probe.k, probe.v)
-        problem = rope() if check.ok else None
+        if not check.ok:
+            return check
+        problem = rope()
         if problem:
             paged.layout = None
             return LayoutCheck(False, check.backend, problem)
-        return LayoutCheck(check.ok, check.backend, check.reason + ("; vLLM's RoPE rotates as the core's"
-                                                                    if check.ok else ""))
+        return LayoutCheck(True, check.backend, f"{check.reason}; vLLM's RoPE rotates as the core's")
     except Exception as e:  # noqa: BLE001 - a worker that cannot check its layout must not blend, nor crash
         paged.layout = None
         return LayoutCheck(False, backend, f"the self-check could not run: {type(e).__name__}: {e}")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..models.decoder import Decoder
+from .readback import mismatch
 
 # largest |vLLM - core| / max|core| accepted, by the decoder's dtype (float32 tables agree
 # to about 1e-6; a wrong base or scaling is off by order one at the far positions)
@@ -37,7 +38,7 @@ def rotary_for(model: Any, vllm_config: Any) -> Any:
     """vLLM's rotary embedding for the served model: its first layer's where the worker
     reaches vLLM's model (``load_format="cacheblend"``), else one built as vLLM's Llama and
     Qwen2 layers build theirs (``get_rope`` over the model config's rope parameters)."""
-    rotary = vllm_rotary(model) if model is not None else None
+    rotary = vllm_rotary(model)
     if rotary is not None:
         return rotary
     from vllm.config import set_current_vllm_config
@@ -73,12 +74,12 @@ def rope_problem(decoder: Decoder, rotary: Any, max_positions: int) -> str | Non
     vq, vk = rotary(pos, q.clone(), k.clone())  # the CPU op rotates in place and returns them
     cos, sin = decoder.rope_tables(pos)
     cos, sin = cos.float(), sin.float()
+    tol = TOLERANCE.get(s.dtype, 2e-2)
     for name, x, theirs, heads in (("queries", q, vq, s.num_heads), ("keys", k, vk, s.num_kv_heads)):
         ours = decoder.rope(x.view(n, heads, s.head_dim).transpose(0, 1), cos, sin).transpose(0, 1).reshape(n, -1)
-        err = (theirs.float() - ours).abs().amax(dim=1) / ours.abs().amax().clamp_min(1e-6)
-        tol = TOLERANCE.get(s.dtype, 2e-2)
-        if float(err.max()) > tol:
-            at = int(pos[int(err.argmax())])
+        err = mismatch(theirs, ours)
+        if err > tol:
+            at = int(pos[int((theirs.float() - ours).abs().amax(dim=1).argmax())])
             return (f"vLLM's rotary embedding ({type(rotary).__name__}) rotates {name} differently from the core's "
-                    f"RoPE: {float(err.max()):.2g} off at position {at} (tolerance {tol:g})")
+                    f"RoPE: {err:.2g} off at position {at} (tolerance {tol:g})")
     return None
