@@ -259,26 +259,34 @@ def test_stock_query_engine_reuses_ingested_nodes(engine, nodes, embed_model, mo
     assert stats["chunks"] == len(nodes) and stats["store_hits"] >= len(nodes) and stats["reused_tokens"] > 0
 
 
-def test_stock_query_engine_learns_unseen_nodes_without_the_query(engine, embed_model):
+@pytest.mark.parametrize("mode, example, calls, learned, chunks", [("compact", 3, 1, 3, 3), ("refine", 1, 3, 4, 5)])
+def test_stock_query_engine_learns_unseen_nodes_without_the_query(engine, embed_model, mode, example, calls,
+                                                                  learned, chunks):
     """LlamaIndex's default text_qa template puts a rule and the query right under the
-    context: the last node was learned with them, once per query, and never reused."""
+    context: the last node was learned with them, once per query, and never reused.  Its
+    chat refine template (a call per node after the first) glues its instruction to the
+    node by one newline ("...answer.\nNew Context: {context_msg}"): each node was learned
+    glued to it, and never found on its own.  The second query learns nothing and finds
+    every node (and the refine instruction, learned once)."""
     from cacheblend.datasets import load_qa
 
     recorder = StatsRecorder()
     llm = CacheBlendLLM(engine=engine, max_tokens=4)
     examples = load_qa("musique", "dev", limit=4, passages=3)
-    index = VectorStoreIndex([TextNode(text=p.split("\n\n", 1)[1]) for p in examples[3].passages],
-                             embed_model=embed_model)  # never ingested: learned from the prompt
+    texts = [p.split("\n\n", 1)[1] for p in examples[example].passages]
+    index = VectorStoreIndex([TextNode(text=t) for t in texts], embed_model=embed_model)  # learned from the prompt
     saved = Settings.callback_manager
     Settings.callback_manager = CallbackManager([recorder])
     try:
-        for ex in examples[2:]:
-            index.as_query_engine(llm=llm, response_mode="compact", similarity_top_k=3).query(ex.question)
+        for ex in examples[example - 1: example + 1]:
+            index.as_query_engine(llm=llm, response_mode=mode, similarity_top_k=3).query(ex.question)
     finally:
         Settings.callback_manager = saved
-    first, second = recorder.calls
-    assert first["chunks_learned"] == first["chunks"] == 3
-    assert second["chunks_learned"] == 0 and second["chunks"] == 3 and second["store_hits"] >= 3
+    first, second = recorder.calls[:calls], recorder.calls[calls:]
+    assert len(second) == calls and all(t.strip() in engine.passages for t in texts)
+    assert sum(c["chunks_learned"] for c in first) == learned
+    assert sum(c["chunks_learned"] for c in second) == 0 and sum(c["chunks"] for c in second) == chunks
+    assert all(c["store_hits"] >= c["chunks"] for c in second)
 
 
 def test_bad_input_is_reported_clearly(llm, engine):

@@ -171,21 +171,30 @@ RLM_RAG = ("You are an assistant for question-answering tasks. Use the following
            "sentences maximum and keep the answer concise.\nQuestion: {q} \nContext: {c} \nAnswer:")
 TEXT_QA = ("Context information is below.\n---------------------\n{c}\n---------------------\nGiven the "
            "context information and not prior knowledge, answer the query.\nQuery: {q}\nAnswer: ")
+CHAT_REFINE = ("You are an expert Q&A system that strictly operates in two modes when refining existing answers:\n"
+               "1. **Rewrite** an original answer using the new context.\n2. **Repeat** the original answer if the "
+               "new context isn't useful.\nNever reference the original answer or context directly in your answer.\n"
+               "When in doubt, just repeat the original answer.\nNew Context: {c}\nQuery: {q}\nOriginal Answer: {a}\n"
+               "New Answer: ")  # LlamaIndex's refine template for chat models
 STUFF_SYSTEM = ("Use the following pieces of context to answer the user's question.\nIf you don't know the "
                 "answer, just say that you don't know, don't try to make up an answer.\n----------------\n{c}")
 
 
-@pytest.mark.parametrize("template", [RLM_RAG, TEXT_QA])
+@pytest.mark.parametrize("template", [RLM_RAG, TEXT_QA, CHAT_REFINE])
 def test_a_templates_question_line_is_never_learned_and_its_passages_are(engine, template):
     """The question on a line of its own inside a paragraph ("Question: ...", "Query: ...")
     was learned with the passage or instruction it touched: one new store entry per
-    request, never reused, and that passage never found alone again."""
+    request, never reused, and that passage never found alone again.  The refine
+    template glues its instruction to the context ("...answer.\nNew Context: {c}") and
+    puts the previous step's answer under the query: both were learned with what they
+    touched."""
     from cacheblend.chat import plan_chat
 
     index = PassageIndex()
     calls = [(QUERY, PASSAGES), ("Which river flows through Vienna?", PASSAGES[::-1])]
-    plans = [plan_chat(engine.prompts, index, [{"role": "user", "content": template.format(q=q, c="\n\n".join(docs))}],
-                       learn_min_chars=60) for q, docs in calls]
+    plans = [plan_chat(engine.prompts, index, [{"role": "user", "content": template.format(
+        q=q, c="\n\n".join(docs), a=f"An earlier step answered '{q}' from other passages, and found no name.")}],
+        learn_min_chars=60) for q, docs in calls]
     assert all(q not in p for (q, _), plan in zip(calls, plans, strict=True) for p in plan.learned)
     assert set(PASSAGES) <= set(plans[0].learned)
     assert plans[1].learned == [] and len(plans[1].prompt.chunks) == len(plans[0].prompt.chunks)

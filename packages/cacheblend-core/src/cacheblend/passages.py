@@ -28,8 +28,15 @@ _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
 # stuff prompt put one between their text and the context, with no blank line around it
 _RULE = re.compile(r"^[ \t]*([-=_*])\1{2,}[ \t]*(?:\n|$)", re.M)
 # The line a template puts the question on, wherever it sits ("Question: {question}" above
-# the context in LangChain hub's rlm/rag-prompt, "Query: {query_str}" in LlamaIndex's)
-_QUESTION_LINE = re.compile(r"^[ \t]*(?:(?:user(?:'s)? )?(?:question|query)|q)[ \t]*:[^\n]*(?:\n|$)", re.I | re.M)
+# the context in LangChain hub's rlm/rag-prompt, "Query: {query_str}" in LlamaIndex's), with
+# the answer lines right under it: LlamaIndex's chat refine template pastes the answer of
+# the previous step there ("Query: {query_str}\nOriginal Answer: {existing_answer}")
+_QUESTION_LINE = re.compile(r"^[ \t]*(?:(?:user(?:'s)? )?(?:question|query)|q)[ \t]*:[^\n]*(?:\n|$)"
+                            r"(?:[ \t]*(?:(?:[a-z']+[ \t]+){0,3}answer|a)[ \t]*:[^\n]*(?:\n|$))*", re.I | re.M)
+# A template's label naming the context at a line's start ("Context: {context}", "New
+# Context: {context_msg}"): the context starts after it, even when a single newline glues
+# the template's own text above it (LlamaIndex's chat refine template)
+_CONTEXT_LABEL = re.compile(r"^[ \t]*(?:[a-z]+[ \t]+)?context(?:[ \t]+information)?[ \t]*:[ \t]*", re.I | re.M)
 # A template's label in front of a passage: "Context:", "Source 1:", "Document [2]:", ...
 _LABEL = re.compile(r"[A-Z][A-Za-z]*(?: [A-Za-z]+){0,3}(?: ?[#\[(]?\d+[\])]?)?:[ \t]*\n?[ \t]*")
 
@@ -162,7 +169,9 @@ def _whole(text: str, start: int, end: int) -> bool:
 def paragraphs(text: str, min_chars: int, questions: bool = False) -> list[Span]:
     """Paragraphs of ``text`` (split at blank lines and at rule lines such as ``-----``) of
     at least ``min_chars`` characters, as learned spans; with ``questions``, a question line
-    (``Question: ...``, ``Query: ...``) splits them too and is never part of one.  Used only
+    (``Question: ...``, ``Query: ...``, with any answer lines right under it) splits them
+    too and is never part of one, and so does a context label at a line's start
+    (``New Context: ...``): the text above it is the template's own.  Used only
     on text that holds no known passage: this is a guess at chunk boundaries, made so that
     a passage seen once is reused the next time.  A paragraph glued to a template's header
     or question by single newlines was learned with them: never reused (the question
@@ -189,6 +198,7 @@ def _breaks(text: str, questions: bool) -> list[tuple[int, int]]:
     found = [m.span() for m in _PARAGRAPH_BREAK.finditer(text)] + [m.span() for m in _RULE.finditer(text)]
     if questions:
         found += [m.span() for m in _QUESTION_LINE.finditer(text)]
+        found += [m.span() for m in _CONTEXT_LABEL.finditer(text)]
     merged: list[tuple[int, int]] = []
     for start, end in sorted(found):
         if merged and start <= merged[-1][1]:
