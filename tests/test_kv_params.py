@@ -68,7 +68,7 @@ SELECTION = {"check_layers": [1], "deviation": "v", "gradual": False, "selection
     ({"prefix": 0}, r"prefix must be the number of prompt tokens \(an int >= 1\)"),
     ({"prefix": 2.5}, "prefix must be the number"),
     ({"prefix": True}, "prefix must be the number"),
-    ({"prefix": 5, "chunks": [[5, 9]]}, "prefix goes only with a prompt without chunks"),
+    ({"prefix": 6, "chunks": [[5, 9]]}, "prefix of 6 tokens reaches into the first chunk, which starts at token 5"),
     ({"cacheblend": "ping", "prefix": 5}, r"\['prefix'\] do not go with cacheblend='ping'"),
     ({"ratio": 0.2}, r"unknown fields \['ratio'\]; CacheBlendConnector reads chunks, prefix, cacheblend"),
     ({"temperature": 0.5}, r"unknown fields \['temperature'\]"),
@@ -88,6 +88,7 @@ def test_a_bad_field_is_named(params, match):
     # what RemoteEngine sends
     {"method": "blend", "chunks": [[1, 4], [4, 9]], "recompute_ratio": 0.15, **SELECTION},
     {"method": "blend", "prefix": 40}, {"prefix": 40, "chunks": []},  # a chunkless chat's system instruction
+    {"prefix": 3, "chunks": [[5, 9]]}, {"prefix": 5, "chunks": [[5, 9]]},  # a chat's system turn, then its lead
     # vLLM's own keys pass
     {"prompt_token_ids": [1, 2], "do_remote_prefill": False, "do_remote_decode": True, "remote_host": "h"},
     {"cacheblend": "ping", "remote_engine_id": "x"},
@@ -108,6 +109,8 @@ def test_parsed_hints_are_what_the_connector_uses():
     assert parse_kv_params(None).chunks is None  # no spans: the connector searches the registry
     prefix = parse_kv_params({"prefix": np.int64(40)})
     assert (prefix.prefix, prefix.chunks, prefix.blends) == (40, (), True)  # the registry is not searched
+    lead = parse_kv_params({"prefix": 3, "chunks": [[5, 9]]})
+    assert (lead.prefix, lead.chunks) == (3, ((5, 9),))  # tokens 3 and 4 are the lead, computed
 
 
 def test_the_servers_defaults_are_the_base():

@@ -146,6 +146,15 @@ def test_a_chat_without_passages_reads_its_system_instruction_exactly(server, re
     gen = remote.start_chat(long_question, learn=False, max_new_tokens=2)
     "".join(gen.pieces)
     assert len(stats(server)) == loads and gen.result.stats.exact and gen.result.usage["cached_tokens"] == 0
+    # a conversation: only the system turn is the prefix (read exactly whatever the earlier
+    # turns were); they are computed, where they used to be stored as a new prefix per turn
+    for earlier in ("Where is Vienna?", "Who wrote Hamlet?"):
+        talk = [chat[0], {"role": "user", "content": earlier}, {"role": "assistant", "content": "I do not know."},
+                messages(example)[0]]
+        "".join((gen := remote.start_chat(talk, learn=False, max_new_tokens=2)).pieces)
+    load = stats(server)[-1]
+    assert load["op"] == "load" and load["prefix_cached"] and load["chunks"] == len(example.passages)
+    assert gen.result.usage["cached_tokens"] == load["fidelity"]["exact_cached_tokens"] < 100
 
 
 def test_langchain_chat_model_on_the_server(server, remote, example):

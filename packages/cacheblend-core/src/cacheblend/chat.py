@@ -29,13 +29,15 @@ class ChatPlan:
 
 
 MAX_OPENING_PARAGRAPHS = 16  # of a system message, kept in the prefix or remembered
+MIN_RECURRING_LEAD_CHARS = 100  # a shorter lead ("Context: ") costs less computed than a prefix entry
 
 
 class HeadMemory:
     """The openings of the system messages seen lately (hashes of their text up to the end
     of each of their first :data:`MAX_OPENING_PARAGRAPHS` paragraphs), bounded: a paragraph that an earlier request's
     system message also opened with, after the same text, is part of the application's
-    fixed instruction (:func:`keep_instruction`).  One per engine; the adapters plan
+    fixed instruction (:func:`keep_instruction`); and the prompts' texts before their first
+    chunk (:func:`recurring_opening`).  One per engine; the adapters plan
     requests on worker threads, so it holds a lock."""
 
     def __init__(self, capacity: int = 4096) -> None:
@@ -117,6 +119,7 @@ def plan_chat(
         msgs[last] = {"role": "user", "content": "".join(d + "\n\n" for d in missing) + msgs[last]["content"]}
     pieces: list[Piece] = []
     head = 0  # pieces[:head] hold the system instruction kept in the prompt's prefix
+    lead = None  # pieces[lead:] start with the first user message's content
     # the question is the last paragraph of the last user message, also when an assistant
     # turn follows it (a prefilled answer): it used to be learned as a chunk there
     question = {len(msgs) - 1, max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=-1)}
@@ -124,6 +127,8 @@ def plan_chat(
         if i is None:
             pieces.append(Piece(text))
             continue
+        if lead is None and msgs[i]["role"] == "user":
+            lead = len(pieces)
         learnable = learn and msgs[i]["role"] in ("system", "user")
         cut_pieces = cut(text, passages, learn_min_chars if learnable else None, keep_tail=i in question)
         if i == 0 and msgs[0]["role"] == "system":
@@ -132,11 +137,29 @@ def plan_chat(
             kept = keep_instruction(cut_pieces, heads, ingested)
             head = len(pieces) + kept + 1 if kept is not None else 0
         pieces += cut_pieces
-    prompt = layout(prompts, pieces, head)
+    prompt = layout(prompts, pieces, head, recurring_opening(pieces, lead, heads))
     learned = [p.passage for p in pieces if p.learned and p.passage]
     for passage in learned:
         passages.add(passage, learned=True)
     return ChatPlan(prompt, learned)
+
+
+def recurring_opening(pieces: list[Piece], lead: int | None, heads: HeadMemory | None) -> int | None:
+    """``lead`` (where the first user message starts, :func:`layout`), or None when the
+    text before the first chunk, the user message's part included, opened an earlier
+    request the same way (remembered in ``heads``): a template's fixed text above the
+    context is then prefix, read exactly from the prefix cache from the third request on,
+    while a conversation's earlier turns, new on every turn, stay the computed lead.  A
+    lead under :data:`MIN_RECURRING_LEAD_CHARS` (a template's label) is always computed."""
+    first = next((j for j, p in enumerate(pieces) if p.passage is not None), None)
+    if lead is None or heads is None or first is None or first <= lead:
+        return lead
+    if sum(len(p.text) for p in pieces[lead:first]) < MIN_RECURRING_LEAD_CHARS:
+        return lead
+    opening = "lead\0" + "".join(p.text for p in pieces[:first])  # its own namespace among the openings
+    seen = heads.seen(opening)
+    heads.remember([opening])
+    return None if seen else lead
 
 
 def keep_instruction(pieces: list[Piece], heads: HeadMemory | None = None,
@@ -183,13 +206,20 @@ def keep_instruction(pieces: list[Piece], heads: HeadMemory | None = None,
     return kept
 
 
-def layout(prompts: PromptBuilder, pieces: list[Piece], head: int = 0) -> PromptIds:
+def layout(prompts: PromptBuilder, pieces: list[Piece], head: int = 0, lead: int | None = None) -> PromptIds:
     """Token ids of the pieces, each tokenized on its own: text before the first chunk
     is the exact prefix, text between chunks gaps, the rest the suffix.  A prompt without
     chunks is computed, except its first ``head`` pieces (a kept system instruction,
-    :func:`keep_instruction`): they are the prefix, reused exactly from the prefix cache."""
+    :func:`keep_instruction`): they are the prefix, reused exactly from the prefix cache.
+
+    The prefix stops where the first user message's content starts (piece ``lead``): what
+    comes after it and before the first chunk (earlier turns of a conversation, a question
+    a template asks above the context) is the prompt's lead, computed in place.  Kept in
+    the prefix, it made the prefix new on every request: one prefix-cache entry per turn,
+    computed apart and written to the store on the request's path, and never read again."""
     pieces = list(pieces)
     head_chars = sum(len(p.text) for p in pieces[:head])
+    lead_chars = sum(len(p.text) for p in pieces[:lead]) if lead is not None else None
     while pieces and pieces[-1].passage is not None:  # the last token must be computed
         pieces[-1] = Piece(pieces[-1].text)
     runs: list[tuple[str, bool]] = []
@@ -204,7 +234,9 @@ def layout(prompts: PromptBuilder, pieces: list[Piece], head: int = 0) -> Prompt
         if 0 < head_chars < len(text):
             return PromptIds(prompts.encode(text[:head_chars]), [], prompts.encode(text[head_chars:]))
         return PromptIds([], [], prompts.encode(text))
-    prefix = prompts.encode(runs.pop(0)[0]) if not runs[0][1] else []
+    opening = runs.pop(0)[0] if not runs[0][1] else ""
+    cut_at = len(opening) if lead_chars is None else min(max(lead_chars, head_chars), len(opening))
+    prefix, lead_ids = prompts.encode(opening[:cut_at]), prompts.encode(opening[cut_at:])
     chunks: list[list[int]] = []
     gaps: list[list[int]] = []
     for text, chunk in runs[:-1]:
@@ -213,7 +245,7 @@ def layout(prompts: PromptBuilder, pieces: list[Piece], head: int = 0) -> Prompt
             gaps.append([])
         else:
             gaps[-1] = prompts.encode(text)
-    return PromptIds(prefix, chunks, prompts.encode(runs[-1][0]), tuple(gaps))
+    return PromptIds(prefix, chunks, prompts.encode(runs[-1][0]), tuple(gaps), lead_ids)
 
 
 def chunk_spans(prompt: PromptIds) -> list[tuple[int, int]]:

@@ -9,7 +9,7 @@ their own, which is what makes their caches reusable at any position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import CacheBlendError
 
@@ -43,17 +43,21 @@ def chat_role(role: object, where: str = "") -> str:
 
 @dataclass(frozen=True)
 class PromptIds:
-    """``[prefix][chunk 1][gap 1]…[chunk k][suffix]``: the prefix is reused exactly, chunks
-    are blended, gaps (text a template puts between passages) and the suffix are computed."""
+    """``[prefix][lead][chunk 1][gap 1]…[chunk k][suffix]``: the prefix is reused exactly,
+    chunks are blended, the lead, gaps (text a template puts between passages) and the
+    suffix are computed.  The lead is a chat's text between its system turn and the first
+    chunk (earlier turns, a question asked above the context): it changes from request to
+    request, so it is computed in place rather than stored as part of the prefix."""
 
     prefix: list[int]
     chunks: list[list[int]]
     suffix: list[int]
     gaps: tuple[list[int], ...] = ()
+    lead: list[int] = field(default_factory=list)
 
     def body(self) -> list[tuple[list[int], bool]]:
         """Everything after the prefix as ``(ids, is_chunk)`` runs, in prompt order."""
-        runs: list[tuple[list[int], bool]] = []
+        runs: list[tuple[list[int], bool]] = [(self.lead, False)] if self.lead else []
         for i, chunk in enumerate(self.chunks):
             runs.append((chunk, True))
             if i < len(self.gaps) and self.gaps[i]:

@@ -261,14 +261,16 @@ class RemoteEngine(Answering):
             raise CacheBlendError(f"prompt of {len(ids)} tokens does not fit the server's context of "
                                   f"{self.context_length} tokens")
         spans = chunk_spans(prompt) if opts.method != "full" else []
-        # the prompt's prefix, read by the worker from the prefix cache: before the first
-        # chunk, or a chunkless chat's system instruction (``prefix``).  The worker computes
+        # the prompt's prefix, read by the worker from the prefix cache: what comes before
+        # the first user message's content (a chat's lead is computed: :func:`chat.layout`),
+        # or a chunkless chat's system instruction.  The worker computes
         # the rest inside one step, holding up every other request's decode, so a chunkless
         # prompt whose rest is longer than its prefix is left to vLLM's own chunked prefill.
-        head = spans[0][0] if spans else len(prompt.prefix) if opts.method != "full" else 0
+        head = len(prompt.prefix) if opts.method != "full" else 0
+        lead = bool(spans) and head < spans[0][0]  # the prefix is sent: it is not all before the first chunk
         if not spans and 2 * head < len(ids):
             head = 0
-        if spans and self._exact_behind_sink and ids[:head] == list(self._sink):
+        if spans and not lead and self._exact_behind_sink and ids[:head] == list(self._sink):
             head = spans[0][1]  # and the first chunk, right behind the sink: reused exactly
         chunk_tokens = sum(b - a for a, b in spans if a >= head)  # reused approximately
         recomputed = round(blend.recompute_ratio * chunk_tokens) if not blend.gradual else 0
@@ -281,7 +283,7 @@ class RemoteEngine(Answering):
         stats.ratio_used = 1.0 if head and not chunk_tokens else blend.recompute_ratio  # as the worker's
         stats.risk = 0.0 if stats.exact else None
         params: dict[str, Any] = {"method": opts.method}
-        if head and not spans:
+        if head and (lead or not spans):
             params["prefix"] = head
         if spans:
             params |= {"chunks": [list(s) for s in spans], "recompute_ratio": blend.recompute_ratio,

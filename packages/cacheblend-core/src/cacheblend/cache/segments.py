@@ -32,9 +32,9 @@ def prompt_segments(cache: ChunkCache, prompt: PromptIds, handles: Sequence[Chun
         return [Segment(prompt.all_ids)]
     body = prompt.body()
     if method == "prefix":
-        first = next((i for i, (_, chunk) in enumerate(body) if chunk), None)
-        head = prompt.prefix + (body[first][0] if first is not None else [])
-        rest = [t for ids, _ in body[(first + 1 if first is not None else 0):] for t in ids]
+        first = next((i for i, (_, chunk) in enumerate(body) if chunk), -1)  # through it: the prefix cache's
+        head = prompt.prefix + [t for ids, _ in body[:first + 1] for t in ids]
+        rest = [t for ids, _ in body[first + 1:] for t in ids]
         return [cache.prefix_segment(head, counter), Segment(rest)]
     segs = [cache.prefix_segment(prompt.prefix, counter)] if prompt.prefix else []
     chunk_handles = iter(handles)
@@ -84,12 +84,13 @@ def span_segments(cache: ChunkCache, ids: Sequence[int], spans: Sequence[tuple[i
                   prefix_counter: LookupCounter | None = None, prefix: int = 0) -> list[Segment]:
     """Segments of a prompt given as token ids with ``[start, end)`` chunk spans (what a
     vLLM request carries): spans reuse their chunks' caches; the tokens before the first
-    span (system prompt, template) are the prompt's prefix, exact K/V from the prefix
+    span (system prompt, template), or its first ``prefix`` when given (a chat's system
+    turn, :func:`~cacheblend.chat.layout`), are the prompt's prefix, exact K/V from the prefix
     cache as in :func:`prompt_segments` (computed at position 0 and stored on a miss), its
     lookup counted in ``prefix_counter`` when given; the rest is computed.  A prompt without
     spans may still name its ``prefix`` (a long system instruction) to read it exactly."""
     ids = list(ids)
-    pos = spans[0][0] if spans else prefix
+    pos = prefix if prefix or not spans else spans[0][0]
     segs = []
     if pos:
         pc = prefix_counter if prefix_counter is not None else counter

@@ -46,7 +46,9 @@ class KVParams:
     with ``ids``, ``ping``), or the chunk spans (None: not given, so the connector searches
     the passage registry) and the selection to blend them with.  ``prefix``: a prompt
     without chunks whose first tokens (a long system instruction) the connector reads
-    exactly from the prefix cache; with chunks the prefix is what comes before the first."""
+    exactly from the prefix cache; with chunks the prefix is what comes before the first,
+    unless ``prefix`` names fewer tokens (a chat's system turn: what follows it up to the
+    first chunk, earlier turns, is computed rather than stored as a prefix)."""
 
     op: str | None = None
     sink: int | None = None
@@ -128,9 +130,9 @@ def _prefix(value: Any, chunks: tuple[tuple[int, int], ...] | None) -> int:
     if prefix is None or prefix < 1:
         raise _fail(f"prefix must be the number of prompt tokens (an int >= 1) read from the prefix cache, "
                     f"got {value!r}")
-    if chunks:
-        raise _fail("prefix goes only with a prompt without chunks: with chunks, the prefix is the tokens "
-                    "before the first")
+    if chunks and prefix > chunks[0][0]:
+        raise _fail(f"prefix of {prefix} tokens reaches into the first chunk, which starts at token "
+                    f"{chunks[0][0]}: with chunks, the prefix is at most the tokens before the first")
     return prefix
 
 
@@ -194,7 +196,7 @@ def parse_kv_params(params: Any, *, base: RequestOptions | None = None,
     chunks = None if params.get("chunks") is None else _spans(params["chunks"])
     if params.get("prefix") is None:
         return KVParams(chunks=chunks, options=options, blend=blend)
-    return KVParams(chunks=(), prefix=_prefix(params["prefix"], chunks), options=options, blend=blend)
+    return KVParams(chunks=chunks or (), prefix=_prefix(params["prefix"], chunks), options=options, blend=blend)
 
 
 def check_kv_transfer_params(params: Any, *, base: RequestOptions | None = None,
