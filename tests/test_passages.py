@@ -176,18 +176,23 @@ CHAT_REFINE = ("You are an expert Q&A system that strictly operates in two modes
                "new context isn't useful.\nNever reference the original answer or context directly in your answer.\n"
                "When in doubt, just repeat the original answer.\nNew Context: {c}\nQuery: {q}\nOriginal Answer: {a}\n"
                "New Answer: ")  # LlamaIndex's refine template for chat models
+REFINE = ("The original query is as follows: {q}\nWe have provided an existing answer: {a}\nWe have the "
+          "opportunity to refine the existing answer (only if needed) with some more context below.\n------------\n"
+          "{c}\n------------\nGiven the new context, refine the original answer to better answer the query. If the "
+          "context isn't useful, return the original answer.\nRefined Answer: ")  # ... for completion models
 STUFF_SYSTEM = ("Use the following pieces of context to answer the user's question.\nIf you don't know the "
                 "answer, just say that you don't know, don't try to make up an answer.\n----------------\n{c}")
 
 
-@pytest.mark.parametrize("template", [RLM_RAG, TEXT_QA, CHAT_REFINE])
+@pytest.mark.parametrize("template", [RLM_RAG, TEXT_QA, CHAT_REFINE, REFINE])
 def test_a_templates_question_line_is_never_learned_and_its_passages_are(engine, template):
     """The question on a line of its own inside a paragraph ("Question: ...", "Query: ...")
     was learned with the passage or instruction it touched: one new store entry per
     request, never reused, and that passage never found alone again.  The refine
     template glues its instruction to the context ("...answer.\nNew Context: {c}") and
     puts the previous step's answer under the query: both were learned with what they
-    touched."""
+    touched.  The refine template for completion models states both in prose above a rule
+    line: that header was learned."""
     from cacheblend.chat import plan_chat
 
     index = PassageIndex()

@@ -223,7 +223,9 @@ def cut(text: str, index: PassageIndex, learn_min_chars: int | None, keep_tail: 
     ``learn_min_chars``) long paragraphs of the rest.  A chunk piece takes the blank line
     after it, as :meth:`PromptBuilder.chunk_ids` does, so a passage ingested on its own and
     one found in a prompt share a cache.  With ``keep_tail`` (the message that asks the
-    question) the last paragraph and any question line are never learned."""
+    question) the last paragraph, any question line and the text above the first rule line
+    (a template's header: the refine prompt for completion models states the question and
+    the previous answer there, in prose) are never learned."""
     found = index.find(text)
     if learn_min_chars:
         gaps, pos = [], 0
@@ -231,7 +233,10 @@ def cut(text: str, index: PassageIndex, learn_min_chars: int | None, keep_tail: 
             gaps.append((pos, s.start))
             pos = s.end
         tail = _tail_start(text) if keep_tail else len(text)
+        rule = _RULE.search(text) if keep_tail else None
+        head = rule.end() if rule is not None else 0
         for a, b in gaps:
+            a = max(a, head)
             for s in paragraphs(text[a:min(b, tail)] if a < tail else "", learn_min_chars, keep_tail):
                 span = _unlabelled(text, a + s.start, a + s.end, learn_min_chars)
                 if span is not None:
