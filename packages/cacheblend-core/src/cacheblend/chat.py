@@ -235,7 +235,7 @@ def layout(prompts: PromptBuilder, pieces: list[Piece], head: int = 0, lead: int
             return PromptIds(prompts.encode(text[:head_chars]), [], prompts.encode(text[head_chars:]))
         return PromptIds([], [], prompts.encode(text))
     opening = runs.pop(0)[0] if not runs[0][1] else ""
-    cut_at = len(opening) if lead_chars is None else min(max(lead_chars, head_chars), len(opening))
+    cut_at = len(opening) if lead_chars is None else min(lead_chars, len(opening))  # a kept head is before it
     prefix, lead_ids = prompts.encode(opening[:cut_at]), prompts.encode(opening[cut_at:])
     chunks: list[list[int]] = []
     gaps: list[list[int]] = []
