@@ -276,7 +276,8 @@ class RemoteEngine(Answering):
         recomputed = round(blend.recompute_ratio * chunk_tokens) if not blend.gradual else 0
         stats = BlendStats(method=opts.method, recompute_ratio=blend.recompute_ratio, prompt_tokens=len(ids),
                            reused_tokens=chunk_tokens - recomputed + head, recomputed_tokens=recomputed,
-                           chunks=len(spans), chunks_learned=learned, exact_cached_tokens=head)
+                           chunks=len(spans), chunks_learned=learned, exact_cached_tokens=head,
+                           approximate_tokens=chunk_tokens - recomputed)
         # The streamed answer carries no marker: the receipt is what was asked for (the
         # server's guard may escalate; its own receipt is in non-streamed responses).
         stats.exact = not chunk_tokens or blend.recompute_ratio >= 1.0

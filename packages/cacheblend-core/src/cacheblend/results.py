@@ -51,7 +51,8 @@ class BlendStats:
     risk: float | None = None  # None: not known (a streamed answer from a vLLM server)
     exposure: float | None = None  # the first token's lean on stale K/V; None: not measured (no exposure limit)
     escalated: bool = False
-    exact_cached_tokens: int = 0  # of reused_tokens: read from exact caches (the prefix)
+    exact_cached_tokens: int = 0  # of reused_tokens: read from exact caches in the store (the prefix)
+    approximate_tokens: int = 0  # of reused_tokens: from chunk caches, not recomputed (the approximation)
     # chunk tokens (then recomputed or left stale) that ran up to the check layer to be ranked:
     # the check pool, about half of them; all of them when a chunk was stored without a hint
     checked_tokens: int = 0
@@ -63,12 +64,8 @@ class BlendStats:
         self.exact, self.ratio_used, self.risk = report.exact, report.ratio_used, report.risk
         self.exposure = report.exposure
         self.escalated, self.exact_cached_tokens = report.escalated, report.exact_cached_tokens
+        self.approximate_tokens = report.approximate_tokens
         self.checked_tokens = report.active_per_layer[0] - report.computed_tokens if report.active_per_layer else 0
-
-    @property
-    def approximate_tokens(self) -> int:
-        """Reused tokens whose K/V came from a chunk cache and were not recomputed."""
-        return self.reused_tokens - self.exact_cached_tokens
 
     def receipt(self) -> dict[str, Any]:
         """The fidelity receipt, as adapters put it in their response metadata."""
@@ -108,4 +105,4 @@ class Result:
         the answer computed exactly as full prefill would, and if not, how much was
         recomputed and how risky the rest is), for a framework's response metadata."""
         return {"ttft_s": self.ttft_s, "finish_reason": self.finish_reason, **self.stats.as_dict(),
-                "approximate_tokens": self.stats.approximate_tokens, "fidelity": self.stats.receipt()}
+                "fidelity": self.stats.receipt()}

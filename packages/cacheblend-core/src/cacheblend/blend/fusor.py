@@ -67,7 +67,8 @@ class FusionReport:
     exposure: float | None = None  # the first token's lean on stale K/V (.exposure); None: not measured
     escalated: bool = False  # the quality guard re-ran it at a larger ratio
     exact: bool = True  # every K/V is full prefill's: no approximately reused token stayed stale
-    exact_cached_tokens: int = 0  # tokens read from exact caches (a prefix), never computed
+    exact_cached_tokens: int = 0  # tokens read from exact caches in the store (a prefix), never computed
+    approximate_tokens: int = 0  # reused tokens from chunk caches (not exact) that were not recomputed
 
 
 def fused_prefill(
@@ -217,7 +218,8 @@ def _report(lay: PromptLayout, active: Tensor, logits: Tensor, loader: LayerLoad
         compute_s=compute_s, ratio_used=hkvd.numel() / lay.n_candidates if lay.n_candidates else 1.0,
         risk=0.0 if exact else first_token_risk(logits), exact=exact,
         exposure=0.0 if exact else None if meter is None else meter.value,
-        exact_cached_tokens=n - n_uncached - lay.n_candidates,
+        exact_cached_tokens=sum(b - a for a, b, s in lay.reused_spans if s.exact and s.stored),
+        approximate_tokens=lay.n_candidates - hkvd.numel(),
     )
 
 

@@ -25,12 +25,15 @@ class Segment:
 
     ``exact`` marks a cache that equals full prefill at this offset (a prefix computed at
     position 0, a chunk right behind the sink it was precomputed behind): it is reused as
-    is and never a recompute candidate.
+    is and never a recompute candidate.  ``stored`` says the cache was read from the store;
+    one computed for this request on a miss is reused the same way but is not a cache read
+    (usage's ``cached_tokens``).
     """
 
     token_ids: Sequence[int]
     cached: LayerSource | None = None
     exact: bool = False
+    stored: bool = True
 
     def __post_init__(self) -> None:
         if self.cached is not None and self.cached.num_tokens != len(self.token_ids):

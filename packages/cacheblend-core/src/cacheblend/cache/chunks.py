@@ -283,7 +283,15 @@ class ChunkCache:
 
     def prefix_segment(self, ids: Sequence[int], counter: LookupCounter) -> Segment:
         """The prompt's prefix as a fusor segment: exact K/V from the prefix cache."""
-        return Segment(ids, self.prefix_source(ids, counter), exact=True)
+        hits = counter.hits
+        source = self.prefix_source(ids, counter)
+        return Segment(ids, source, exact=True, stored=counter.hits > hits)
+
+    def chunk_segment(self, handle: ChunkHandle, counter: LookupCounter) -> Segment:
+        """A chunk as a fusor segment: its cache, stored or computed now (:meth:`chunk_source`)."""
+        hits = counter.hits
+        source = self.chunk_source(handle, counter)
+        return Segment(handle.token_ids, source, stored=counter.hits > hits)
 
     def _lookup(self, key: str, ids: Sequence[int], compute: Callable[[Sequence[int]], ChunkKV],
                 counter: LookupCounter) -> LayerSource:

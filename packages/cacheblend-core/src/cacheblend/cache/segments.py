@@ -72,7 +72,7 @@ def behind_sink(cache: ChunkCache, before: Sequence[int]) -> bool:
 
 def _chunk_segment(cache: ChunkCache, handle: ChunkHandle, counter: LookupCounter, defer: Collection[str]) -> Segment:
     if handle.key not in defer:
-        return Segment(handle.token_ids, cache.chunk_source(handle, counter))
+        return cache.chunk_segment(handle, counter)
     source = cache.stored_source(handle, counter)
     if source is None:
         counter.deferred.append(handle)
@@ -99,7 +99,7 @@ def span_segments(cache: ChunkCache, ids: Sequence[int], spans: Sequence[tuple[i
     for a, b in spans:
         if a > pos:
             segs.append(Segment(ids[pos:a]))
-        segs.append(Segment(ids[a:b], cache.chunk_source(cache.handle(ids[a:b]), counter)))
+        segs.append(cache.chunk_segment(cache.handle(ids[a:b]), counter))
         pos = b
     segs.append(Segment(ids[pos:]))
     mark_exact_behind_sink(cache, segs)
