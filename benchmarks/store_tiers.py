@@ -99,12 +99,16 @@ def main() -> None:
         memory, disk, remote = MemoryStore(), DiskStore(os.path.join(work, "kv")), RedisStore(url)
         # Every tier but memory twice: layers read beside the fusor (pipelined) and before it
         # (serial), interleaved prompt by prompt (the engine's default picks one by cores).
-        stores = {"memory": memory, "disk (page cache), pipelined": disk, "disk (page cache), serial": disk}
+        # A serial read under a request timeout runs on the loader's thread while the fusor
+        # waits (so a hung read cannot hold the request): "serial, timeout" times that hand-off.
+        stores = {"memory": memory, "disk (page cache), pipelined": disk, "disk (page cache), serial": disk,
+                  "disk (page cache), serial, timeout": disk}
         for gbps in (float(x) for x in args.ssd_gbps.split(",")):
             stores[f"disk @{gbps:g} GB/s, pipelined"] = ThrottledDisk(disk, gbps * 1e9)
             stores[f"disk @{gbps:g} GB/s, serial"] = ThrottledDisk(disk, gbps * 1e9)
         stores["redis (loopback), pipelined"] = remote
         stores["redis (loopback), serial"] = remote
+        stores["redis (loopback), serial, timeout"] = remote
         engine = Engine.load(store=memory)
         examples = load_qa(args.dataset, args.split, limit=args.limit, passages=args.passages, data=args.data)
         rows = {name: {"ttft": [], "exposed": [], "hidden": []} for name in stores}
@@ -122,7 +126,7 @@ def main() -> None:
                 engine.store = store
                 engine.chunks.prefetch = name.endswith("pipelined")
                 r = engine.generate(ex.query, handles, preamble=QA_PREAMBLE, recompute_ratio=args.ratio,
-                                    max_new_tokens=1)
+                                    max_new_tokens=1, timeout=600.0 if name.endswith("timeout") else None)
                 assert r.stats.store_misses == 0, (name, r.stats)
                 rows[name]["ttft"].append(r.ttft_s)
                 rows[name]["exposed"].append(r.stats.seconds["load_exposed"])

@@ -84,17 +84,20 @@ def test_a_split_gguf_is_assembled_again_when_its_parts_change(tmp_path, monkeyp
     assert models_loader.assemble_split_gguf("m").read_bytes() == b"new-" * 8 + b"tail" * 4
 
 
-def test_a_hung_layer_read_ends_the_request_at_its_deadline(tmp_path, default_model_dir, monkeypatch):
+@pytest.mark.parametrize("prefetch", [True, False], ids=["read-ahead", "inline"])
+def test_a_hung_layer_read_ends_the_request_at_its_deadline(tmp_path, default_model_dir, monkeypatch, prefetch):
     """A prefetched read that hangs (a stalled network mount) held the fused prefill until
     the read returned, whatever the request's timeout: the fusor waited on the read with no
-    limit, and closing the loader waited for the read in flight again."""
+    limit, and closing the loader waited for the read in flight again.  Without read-ahead
+    (the default where torch's threads take every core) the read ran on the request's own
+    thread, which nothing interrupts."""
     import threading
     import time
 
     from cacheblend.store import disk_source
 
     folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
-    engine = Engine.load(folder, store=f"disk:{tmp_path / 'kv'}", prefetch=True)
+    engine = Engine.load(folder, store=f"disk:{tmp_path / 'kv'}", prefetch=prefetch)
     handles = engine.ingest(PASSAGES)
     release = threading.Event()
     read = disk_source.DiskSource.layer_into

@@ -35,6 +35,11 @@ def raise_if_cancelled() -> None:
         raise CallCancelled("the async call was cancelled")
 
 
+def cancellable() -> bool:
+    """Whether this thread works for an async call that can be cancelled."""
+    return _CANCEL.get() is not None
+
+
 async def run_in_thread(fn: Callable[..., T], *args, **kwargs) -> T:
     """``fn(*args, **kwargs)`` on a worker thread; cancelling the awaiting task stops the
     engine's work at its next layer or token."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from ..aio import raise_if_cancelled
+from ..aio import cancellable, raise_if_cancelled
 from ..generate.decode import KVCache
 from ..models.decoder import Decoder
 from .attention import AttentionPlans
@@ -119,7 +119,8 @@ def fused_prefill(
     plans = AttentionPlans(active, shape.dtype, shape.groups, dec.prefill_attention)
     tables = cos[active], sin[active]  # the active rows' RoPE tables, gathered once per active set
     loader = LayerLoader([s.cached for _, _, s in reused_spans], last_read + 1, prefetch,  # type: ignore[misc]
-                         check=lambda: check_deadline(deadline, "the fused prefill, waiting for a cached layer"))
+                         check=None if deadline is None and not cancellable() else
+                         lambda: check_deadline(deadline, "the fused prefill, waiting for a cached layer"))
     finished = False
     try:
         for layer in range(shape.num_layers):

@@ -48,11 +48,12 @@ POLL_S = 0.05  # how often a fusor waiting for a prefetched layer checks its dea
 class LayerLoader:
     """Layers of every reused source, read ahead on one thread when ``prefetch``.
 
-    ``check`` (the request's deadline and cancel check) runs while the fusor waits for a
-    prefetched layer, so a read that hangs (a stalled network mount, a Redis server that
-    stopped answering) ends the request at its deadline rather than when the read returns.
-    A read done inline, without prefetch, cannot be interrupted: it runs on the request's
-    own thread."""
+    ``check`` (the request's deadline check; None: the request has none) runs while the
+    fusor waits for a layer, so a read that hangs (a stalled network mount, a Redis server
+    that stopped answering) ends the request at its deadline rather than when the read
+    returns.  Without prefetch a request with a deadline still reads on the thread, one
+    layer at a time while the fusor waits (nothing runs beside the compute, so the cores
+    stay the fusor's); a request without one reads inline on its own thread."""
 
     def __init__(self, sources: Sequence[LayerSource], num_layers: int, prefetch: bool = True,
                  check: Callable[[], None] | None = None) -> None:
@@ -62,9 +63,11 @@ class LayerLoader:
         self.load_s = 0.0  # time spent reading layers (in the worker, or inline)
         self.exposed_s = 0.0  # time the fusor waited for a layer
         lazy = any(not isinstance(s, ChunkKV) for s in self.sources)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-load") if prefetch and lazy else None
+        threaded = lazy and (prefetch or check is not None)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-load") if threaded else None
+        self._ahead = prefetch
         self._pending: dict[int, Future] = {}
-        if self._pool is not None and num_layers:
+        if self._pool is not None and prefetch and num_layers:
             self._pending[0] = self._pool.submit(self._read, 0)
 
     def _read(self, layer: int) -> list[tuple[Tensor, Tensor]]:
@@ -82,7 +85,7 @@ class LayerLoader:
             self.exposed_s += time.perf_counter() - t
             return out
         future = self._pending.pop(layer, None) or self._pool.submit(self._read, layer)
-        if layer + 1 < self.num_layers and layer + 1 not in self._pending:
+        if self._ahead and layer + 1 < self.num_layers and layer + 1 not in self._pending:
             self._pending[layer + 1] = self._pool.submit(self._read, layer + 1)
         t = time.perf_counter()
         try:
