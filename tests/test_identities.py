@@ -162,6 +162,7 @@ def test_a_chunk_right_behind_its_sink_is_reused_exactly(default_engine, tmp_pat
     assert behind_sink(eng.chunks, eng.prompts.build(QUERY, [], None).prefix)  # SmolLM2: the frame sink
     handles = eng.ingest(PASSAGES[:2])
     full = eng.generate(QUERY, handles[:1], method="full", **GEN)
+    eng.generate(QUERY, handles[:1], recompute_ratio=0.15, max_new_tokens=1)  # stores the prefix, if new
     one = eng.generate(QUERY, handles[:1], recompute_ratio=0.15, **GEN)
     assert one.stats.exact and one.stats.recomputed_tokens == 0 and one.stats.risk == 0.0
     assert one.stats.exact_cached_tokens == len(eng.prompts.build(QUERY, [], None).prefix) + handles[0].num_tokens
