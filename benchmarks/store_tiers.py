@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--ssd-gbps", default="2.0,0.5", help="throttled disk read bandwidths, GB/s, comma-separated")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="", help="time only the rows whose names start with one of these "
+                    "comma-separated words (memory is always timed: the baseline), e.g. 'redis'")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -109,6 +111,9 @@ def main() -> None:
         stores["redis (loopback), pipelined"] = remote
         stores["redis (loopback), serial"] = remote
         stores["redis (loopback), serial, timeout"] = remote
+        wanted = tuple(w.strip() for w in args.only.split(",") if w.strip())
+        if wanted:
+            stores = {n: st for n, st in stores.items() if n == "memory" or n.startswith(wanted)}
         engine = Engine.load(store=memory)
         examples = load_qa(args.dataset, args.split, limit=args.limit, passages=args.passages, data=args.data)
         rows = {name: {"ttft": [], "exposed": [], "hidden": []} for name in stores}

@@ -32,6 +32,41 @@ def test_pipelined_only_where_a_core_is_left_for_the_loader(monkeypatch, threads
     monkeypatch.setattr(loader.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     threads(2)
     assert loader.pipelined(None) is False
+    assert loader.pipelined(None, {"redis", "memory"}) is True  # a read that waits on a socket
+    assert loader.pipelined(None, {"disk", "memory"}) is False and loader.pipelined(False, {"redis"}) is False
+
+
+class _Recorded:
+    """A lazy source that records which layers were asked for."""
+
+    num_layers, num_tokens, meta = 3, 1, {}
+
+    def __init__(self, tier: str) -> None:
+        self.tier, self.asked = tier, []
+
+    def layer(self, index: int):
+        self.asked.append(index)
+        return torch.zeros(1, 1, 1), torch.zeros(1, 1, 1)
+
+
+@pytest.mark.parametrize("tier, ahead", [("redis", True), ("disk", False)])
+def test_by_default_layers_are_read_ahead_from_redis_only(monkeypatch, threads, tier, ahead):
+    """On a host whose cores all run compute threads, a Redis read (mostly a wait on the
+    socket) is read ahead of the fusor; a disk read (a copy and a digest) is not."""
+    import time
+
+    monkeypatch.setattr(loader.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    threads(2)
+    source = _Recorded(tier)
+    loading = loader.LayerLoader([source], 3, prefetch=None)
+    try:
+        loading.layer(0)
+        give_up = time.monotonic() + (5.0 if ahead else 0.5)
+        while len(source.asked) < 2 and time.monotonic() < give_up:
+            time.sleep(0.01)
+        assert source.asked == ([0, 1] if ahead else [0])
+    finally:
+        loading.close()
 
 
 def test_the_controller_keeps_the_floor_when_nothing_hides_the_load():
@@ -61,7 +96,7 @@ def test_serial_and_pipelined_loads_give_the_same_answer(tmp_path, default_model
 def test_prefetch_defaults_to_the_cores_and_refuses_a_non_bool(tmp_path, default_model_dir):
     folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
     engine = Engine.load(folder, store="memory")
-    assert engine.chunks.prefetch is loader.pipelined(None)
+    assert engine.chunks.prefetch is None and engine.controller.pipelined is loader.pipelined(None)
     with pytest.raises(CacheBlendError, match="prefetch must be True or False"):
         Engine.load(folder, store="memory", prefetch="yes")
 

@@ -66,15 +66,16 @@ class Engine(Answering):
             CompiledStep(self.decoder) if self.config.compile_decode else decode_step
         self.device = torch.device(self.config.device)
         self.kv_pool = KVPool(self.config.reuse_kv_buffer)  # one fused KV buffer kept between requests
-        pipeline = pipelined(self.config.prefetch)  # layers read beside the fusor, or before it
-        self.controller = LoadingController(pipelined=pipeline)
+        # layers read beside the fusor, or before it: decided per prefill by the tiers read
+        # (:func:`pipelined`); the controller counts on pipelining only where every tier is
+        self.controller = LoadingController(pipelined=pipelined(self.config.prefetch))
         self.prompts = PromptBuilder(self.tokenizer)
         self.passages = PassageIndex()  # texts of cached chunks, to find them in formatted prompts
         self.heads = HeadMemory()  # system-message openings seen before: the fixed instruction
         self.chunk_sink: str = chunk_sink_for(self.config.chunk_sink, self.decoder.shape.model_type)
         kv_dtype = getattr(torch, self.config.kv_dtype) if self.config.kv_dtype else None
         self.chunks = ChunkCache(self.decoder, store, self.prompts, self.fingerprint,
-                                 self.prompts.sink_ids(self.chunk_sink), self.device, pipeline,
+                                 self.prompts.sink_ids(self.chunk_sink), self.device, self.config.prefetch,
                                  kv_dtype)
         eos = self.tokenizer.eos_token_id
         gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)

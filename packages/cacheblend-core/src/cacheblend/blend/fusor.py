@@ -77,14 +77,15 @@ def fused_prefill(
     kv: KVCache,
     config: BlendConfig,
     capture: Capture | None = None,
-    prefetch: bool = True,
+    prefetch: bool | None = True,
     deadline: float | None = None,
     attend: Attend | None = None,
 ) -> FusionReport:
     """Fill ``kv`` for the prompt ``segments`` and return the last position's logits.
 
     Reused caches are read layer by layer (the next layer is fetched while this one is
-    fused when ``prefetch``); a source that fails verification raises ``CorruptEntry``.
+    fused when ``prefetch``; None: :func:`~.loader.pipelined` decides by the tiers); a
+    source that fails verification raises ``CorruptEntry``.
     Past ``deadline`` (a ``time.perf_counter()`` value) the next layer raises ``TimeoutError``."""
     shape = dec.shape
     config.validate_for(shape.num_layers)
@@ -186,7 +187,7 @@ class _Probed:
 
 
 def _probe(dec: Decoder, segments: Sequence[Segment], kv: KVCache, config: BlendConfig, lay: PromptLayout,
-           prefetch: bool, deadline: float | None) -> _Probed:
+           prefetch: bool | None, deadline: float | None) -> _Probed:
     """Full reuse with the question probe listening (:mod:`cacheblend.blend.probe`).  Leaves every
     re-positioned reused K/V in ``kv`` and picks the tokens to recompute, or, when the probe
     shares the budget (``probe_share`` < 1), leaves its score to the check layer."""

@@ -20,7 +20,7 @@ __all__ = ["guarded_prefill"]
 
 
 def guarded_prefill(decoder: Decoder, segments: list[Segment], kv: KVCache, blend: BlendConfig, *,
-                    prefetch: bool = True, deadline: float | None = None) -> FusionReport:
+                    prefetch: bool | None = True, deadline: float | None = None) -> FusionReport:
     """The fused prefill; with the guard on (``blend.max_risk`` or ``blend.max_exposure``), a
     result it does not trust is prefilled again at each larger ratio of ``blend.guard_ladder``
     until it is trusted (the last rung, 1.0, is exact).  The report's ``compute_s`` counts

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -20,10 +20,13 @@ from torch import Tensor
 
 from ..store.entry import ChunkKV, LayerSource
 
+WAITING_TIERS = frozenset({"redis"})  # tiers whose reads mostly wait on a socket
 
-def pipelined(prefetch: bool | None) -> bool:
+
+def pipelined(prefetch: bool | None, tiers: Collection[str] = ()) -> bool:
     """Whether layers are read on a thread beside the fusor: ``prefetch`` where it is set;
-    None: only when this process may run on more cores than torch's compute threads use.
+    None: when this process may run on more cores than torch's compute threads use, or when
+    a layer comes from one of ``tiers`` that waits on a socket (:data:`WAITING_TIERS`).
 
     Why: the paper pipelines loads that are transfers (disk or network to GPU memory), which
     take no compute.  Here reading a disk or Redis entry is CPU work (copies and a digest per
@@ -32,9 +35,13 @@ def pipelined(prefetch: bool | None) -> bool:
     threads, musique prompts of 3.7K tokens from a disk store (``benchmarks/store_tiers.py``,
     docs/internals/performance-log.md): the loads took 0.12 s read before each layer and cost about 0.4 s
     of TTFT read beside it (blend at 15 %: 1.28 s against 1.62 s; 1.21 s from memory).
-    Memory-tier hits need no reading either way."""
+    Memory-tier hits need no reading either way.  A Redis read is mostly a wait for the
+    socket, which leaves the cores to the fusor: there reading ahead was 0.02–0.07 s ahead
+    of reading serially in each of five runs on 2 cores (docs/internals/performance-log.md)."""
     if prefetch is not None:
         return prefetch
+    if WAITING_TIERS.intersection(tiers):
+        return True
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity call (macOS): every core the machine has
@@ -55,9 +62,10 @@ class LayerLoader:
     layer at a time while the fusor waits (nothing runs beside the compute, so the cores
     stay the fusor's); a request without one reads inline on its own thread."""
 
-    def __init__(self, sources: Sequence[LayerSource], num_layers: int, prefetch: bool = True,
+    def __init__(self, sources: Sequence[LayerSource], num_layers: int, prefetch: bool | None = True,
                  check: Callable[[], None] | None = None) -> None:
         self.sources = list(sources)
+        prefetch = pipelined(prefetch, {getattr(s, "tier", "") for s in self.sources})
         self._check = check
         self.num_layers = num_layers
         self.load_s = 0.0  # time spent reading layers (in the worker, or inline)

@@ -70,7 +70,7 @@ class ChunkCache:
     """
 
     def __init__(self, decoder: Decoder, store: Tier, prompts: PromptBuilder, fingerprint: str,
-                 sink: Sequence[int], device: torch.device, prefetch: bool = True,
+                 sink: Sequence[int], device: torch.device, prefetch: bool | None = True,
                  kv_dtype: torch.dtype | None = None) -> None:
         self.decoder = decoder
         self.store = store

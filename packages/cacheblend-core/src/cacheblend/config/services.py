@@ -29,8 +29,9 @@ class EngineConfig:
     faster on CPUs with AMX, with answers of its own (docs/performance.md);
     ``chunk_sink``: the precompute policy, see :meth:`PromptBuilder.sink_ids`; None: the
     model family's measured choice (:func:`chunk_sink_for`);
-    ``prefetch``: pipelined layer loading; None: only where a core is free beside torch's
-    compute threads (:func:`cacheblend.blend.loader.pipelined` says why);
+    ``prefetch``: pipelined layer loading; None: where a core is free beside torch's
+    compute threads, or for reads from Redis, which wait on a socket
+    (:func:`cacheblend.blend.loader.pipelined` says why);
     ``learn_min_chars``: paragraphs at least this long in a chat prompt become chunks;
     ``kv_dtype``: the dtype chunk caches are stored in (None: the model's); ``"bfloat16"``
     or ``"float16"`` halve the store's bytes of a float32 model (exact prefix caches keep
