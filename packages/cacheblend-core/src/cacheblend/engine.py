@@ -66,8 +66,9 @@ class Engine(Answering):
             CompiledStep(self.decoder) if self.config.compile_decode else decode_step
         self.device = torch.device(self.config.device)
         self.kv_pool = KVPool(self.config.reuse_kv_buffer)  # one fused KV buffer kept between requests
-        # layers read beside the fusor, or before it: decided per prefill by the tiers read
-        # (:func:`pipelined`); the controller counts on pipelining only where every tier is
+        # Layers are read beside the fusor or before it, decided per prefill by the tiers
+        # read (:func:`pipelined`); the controller counts on pipelining only where a core is
+        # free for it, so for Redis reads on a busy host ``auto`` keeps the floor.
         self.controller = LoadingController(pipelined=pipelined(self.config.prefetch))
         self.prompts = PromptBuilder(self.tokenizer)
         self.passages = PassageIndex()  # texts of cached chunks, to find them in formatted prompts

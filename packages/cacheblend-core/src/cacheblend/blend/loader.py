@@ -29,16 +29,16 @@ def pipelined(prefetch: bool | None, tiers: Collection[str] = ()) -> bool:
     a layer comes from one of ``tiers`` that waits on a socket (:data:`WAITING_TIERS`).
 
     Why: the paper pipelines loads that are transfers (disk or network to GPU memory), which
-    take no compute.  Here reading a disk or Redis entry is CPU work (copies and a digest per
-    layer), and on a host whose cores all run torch's OpenMP threads, the loader takes a core
-    from one of them and the others wait for it at every barrier.  Measured on 2 cores, 2
-    threads, musique prompts of 3.7K tokens from a disk store (``benchmarks/store_tiers.py``,
-    docs/internals/performance-log.md): the loads took 0.12 s read before each layer and cost about 0.4 s
-    of TTFT read beside it (blend at 15 %: 1.28 s against 1.62 s; 1.21 s from memory).
-    Memory-tier hits need no reading either way.  A Redis read is mostly a wait for the
-    socket, which leaves the cores to the fusor: there reading ahead was ahead of reading
-    serially in each of six runs on 2 cores, on 20 musique prompts 1.04 s against 1.11 s
-    (docs/internals/performance-log.md)."""
+    take no compute.  Here reading a disk entry is CPU work (a copy and a digest per layer),
+    and on a host whose cores all run torch's OpenMP threads the loader takes a core from
+    one of them while the others wait for it at every barrier.  Measured on 2 cores, 2
+    threads, 6-passage musique prompts from a disk store (``benchmarks/store_tiers.py``,
+    docs/internals/performance-log.md): reading ahead first cost about 0.3 s more TTFT than
+    reading each layer just before it is fused; with single-threaded copies
+    (:mod:`cacheblend.store.disk_source`) the two tie.  A Redis read is mostly a wait for
+    the socket, which leaves the cores to the fusor: there reading ahead was ahead in each
+    of six runs on 2 cores, on 20 musique prompts 1.04 s against 1.11 s.  Memory-tier hits
+    need no reading either way."""
     if prefetch is not None:
         return prefetch
     if WAITING_TIERS.intersection(tiers):
@@ -76,7 +76,7 @@ class LayerLoader:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cacheblend-load") if threaded else None
         self._ahead = prefetch
         self._pending: dict[int, Future] = {}
-        if self._pool is not None and prefetch and num_layers:
+        if self._pool is not None and self._ahead and num_layers:
             self._pending[0] = self._pool.submit(self._read, 0)
 
     def _read(self, layer: int) -> list[tuple[Tensor, Tensor]]:
