@@ -70,7 +70,7 @@ def test_by_default_layers_are_read_ahead_from_redis_only(monkeypatch, threads, 
 
 
 def test_the_controller_keeps_the_floor_when_nothing_hides_the_load():
-    ctl = LoadingController(quality_floor=0.15, pipelined=False)
+    ctl = LoadingController(quality_floor=0.15, prefetch=False)
     ctl.observe_compute(compute_s=1.0, token_layers=100_000)  # 10 us per token-layer
     ctl.observe_load("disk", nbytes=1_000_000_000, seconds=1.0)
     ctl.observe_load("redis", nbytes=100_000_000, seconds=1.0)
@@ -79,12 +79,30 @@ def test_the_controller_keeps_the_floor_when_nothing_hides_the_load():
     assert slow.suggested_tier == "disk"  # no tier hides: the fastest measured one costs least
 
 
+def test_the_controller_hides_loading_from_the_tiers_the_loader_reads_ahead(monkeypatch, threads):
+    """The loader reads Redis ahead on any host (its reads wait on a socket), disk only
+    where a core is free; the controller assumed one rule for every tier (the cores'), so
+    on a busy host its ``auto`` ratio stayed at the floor for Redis reads that were hidden."""
+    monkeypatch.setattr(loader.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    threads(2)  # no core left: disk reads are not read ahead, Redis reads are
+    ctl = LoadingController(quality_floor=0.15, prefetch=None)
+    ctl.observe_compute(compute_s=1.0, token_layers=100_000)  # 10 us per token-layer
+    ctl.observe_load("disk", nbytes=1_000_000_000, seconds=1.0)
+    ctl.observe_load("redis", nbytes=1_000_000_000, seconds=1.0)
+    ask = dict(candidates=3000, fixed_tokens=40, bytes_per_layer=10_000_000)  # 10 ms/layer either way
+    redis, disk = ctl.decide(**ask, tier="redis"), ctl.decide(**ask, tier="disk")
+    assert redis.ratio > 0.15 and "raised" in redis.reason
+    assert disk.ratio == 0.15 and "hides no loading" in disk.reason
+    assert ctl.pipelined("redis") and not ctl.pipelined("disk")
+    assert LoadingController(prefetch=False).pipelined("redis") is False  # set: as set
+
+
 def test_serial_and_pipelined_loads_give_the_same_answer(tmp_path, default_model_dir):
     folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
     answers = []
     for prefetch in (True, False):
         engine = Engine.load(folder, store=f"disk:{tmp_path / 'kv'}", prefetch=prefetch)
-        assert engine.chunks.prefetch is prefetch and engine.controller.pipelined is prefetch
+        assert engine.chunks.prefetch is prefetch and engine.controller.pipelined("disk") is prefetch
         r = engine.generate(QUERY, engine.ingest(PASSAGES), recompute_ratio=0.3, max_new_tokens=4)
         assert r.stats.store_hits >= len(PASSAGES)  # every chunk read from the disk tier, layer by layer
         answers.append(r)
@@ -96,7 +114,8 @@ def test_serial_and_pipelined_loads_give_the_same_answer(tmp_path, default_model
 def test_prefetch_defaults_to_the_cores_and_refuses_a_non_bool(tmp_path, default_model_dir):
     folder = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
     engine = Engine.load(folder, store="memory")
-    assert engine.chunks.prefetch is None and engine.controller.pipelined is loader.pipelined(None)
+    assert engine.chunks.prefetch is None and engine.controller.prefetch is None
+    assert engine.controller.pipelined("disk") is loader.pipelined(None)
     with pytest.raises(CacheBlendError, match="prefetch must be True or False"):
         Engine.load(folder, store="memory", prefetch="yes")
 

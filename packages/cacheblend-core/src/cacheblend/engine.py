@@ -22,7 +22,6 @@ import torch
 
 from .backend import Answering, check_request
 from .blend.controller import LoadingController
-from .blend.loader import pipelined
 from .cache.chunks import ChunkCache
 from .chat import HeadMemory, plan_chat
 from .config import EngineConfig, RequestOptions, chunk_sink_for
@@ -67,9 +66,9 @@ class Engine(Answering):
         self.device = torch.device(self.config.device)
         self.kv_pool = KVPool(self.config.reuse_kv_buffer)  # one fused KV buffer kept between requests
         # Layers are read beside the fusor or before it, decided per prefill by the tiers
-        # read (:func:`pipelined`); the controller counts on pipelining only where a core is
-        # free for it, so for Redis reads on a busy host ``auto`` keeps the floor.
-        self.controller = LoadingController(pipelined=pipelined(self.config.prefetch))
+        # read (loader.pipelined); the controller applies the same rule per tier, so its
+        # ``auto`` ratio hides loading wherever the loader reads ahead (Redis on any host).
+        self.controller = LoadingController(prefetch=self.config.prefetch)
         self.prompts = PromptBuilder(self.tokenizer)
         self.passages = PassageIndex()  # texts of cached chunks, to find them in formatted prompts
         self.heads = HeadMemory()  # system-message openings seen before: the fixed instruction

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..config import BlendConfig
+from .loader import pipelined
 
 
 @dataclass
@@ -40,7 +41,10 @@ class LoadingController:
     smoothing: float = 0.3
     compute_s_per_token_layer: float | None = None
     bandwidth: dict[str, float] = field(default_factory=dict)  # tier -> bytes per second
-    pipelined: bool = True  # layers read beside the fusor (loader.pipelined); else nothing hides
+    # The engine's ``prefetch``: whether layers are read beside the fusor, so that recompute
+    # can hide their loading (None: by the tier and the cores, as the loader decides, see
+    # loader.pipelined).  A controller on its own assumes the paper's pipelined reads.
+    prefetch: bool | None = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.quality_floor <= self.max_ratio <= 1.0:
@@ -68,7 +72,7 @@ class LoadingController:
         suggested = self._suggest(candidates, fixed_tokens, bytes_per_layer, floor)
         if c is None or candidates == 0:
             return Decision(floor, tier, load, 0.0, suggested, "no compute speed measured yet: quality floor")
-        if not self.pipelined:
+        if not self.pipelined(tier):
             return Decision(floor, tier, load, c * (floor * candidates + fixed_tokens), suggested,
                             "layers are read before they are fused, not beside (no core to spare for a "
                             "loader): recompute hides no loading, ratio kept at the floor")
@@ -84,13 +88,18 @@ class LoadingController:
                    f"{floor:.0%} ({recompute * 1e3:.1f} ms/layer): ratio kept at the floor")
         return Decision(ratio, tier, load, recompute, suggested, why)
 
+    def pipelined(self, tier: str) -> bool:
+        """Whether reads from ``tier`` run beside the fusor (the loader's own rule)."""
+        return pipelined(self.prefetch, {tier})
+
     def _suggest(self, candidates: int, fixed_tokens: int, bytes_per_layer: int, floor: float) -> str | None:
         """The slowest measured tier whose load hides behind recomputing the floor."""
         c = self.compute_s_per_token_layer
         if c is None:
             return None
-        budget = c * (floor * candidates + fixed_tokens) if self.pipelined else 0.0
-        fits = [(bw, t) for t, bw in self.bandwidth.items() if bytes_per_layer / bw <= budget]
+        budget = c * (floor * candidates + fixed_tokens)
+        fits = [(bw, t) for t, bw in self.bandwidth.items()
+                if self.pipelined(t) and bytes_per_layer / bw <= budget]
         if fits:
             return min(fits)[1]
         # Nothing hides the load: the fastest measured tier costs the least TTFT.
