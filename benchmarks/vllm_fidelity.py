@@ -15,7 +15,9 @@ connector and of the core engine per variant, and the connector's speed-up over 
 vLLM.  Each vLLM instance first serves ``--warmup`` untimed requests (the connector, per
 variant): the core engine is warm when timed, its blend right after its full prefill.
 The worker's own seconds per request (its fused prefill, its paged-cache writes) come from
-the connector's ``stats`` file.
+the connector's ``stats`` file.  ``--store redis`` puts the chunk caches in a Redis server
+started here on loopback (as replicas sharing one Redis tier read them) instead of a disk
+store; needs ``redis-server`` on PATH (scripts/ensure-redis.sh).
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def main() -> None:
                          "the core engine is warm when timed, its blend following its own full prefill")
     ap.add_argument("--compile", action="store_true",
                     help="run both vLLM instances compiled (vLLM's default) instead of eager")
+    ap.add_argument("--store", default="disk", choices=["disk", "redis"],
+                    help="where the chunk caches are kept: a disk store, or a Redis server started here")
     ap.add_argument("--variants", default=";".join(VARIANTS),
                     help="';'-separated blend variants, written as for `cacheblend bench --fidelity-only`")
     args = ap.parse_args()
@@ -103,8 +107,24 @@ def main() -> None:
         variants[spec.name] = {k: v for k, v in spec.options.items() if k != "method"}
 
     root = Path(tempfile.mkdtemp(prefix="cacheblend-vllm-fidelity-"))
+    redis_proc = None
+    if args.store == "redis":
+        from store_tiers import start_redis  # this folder's helper: a loopback redis-server
+
+        redis_proc, store = start_redis(str(root))
+    else:
+        store = f"disk:{root / 'kv'}"
+    try:
+        run(args, variants, root, store)
+    finally:
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait()
+
+
+def run(args: argparse.Namespace, variants: dict[str, dict], root: Path, store: str) -> None:
     examples = load_qa("musique", args.split, limit=args.limit, passages=args.chunks, data=args.data)
-    engine = Engine.load(None, store=f"disk:{root / 'kv'}", dtype=args.dtype)
+    engine = Engine.load(None, store=store, dtype=args.dtype)
     prompts, core = [], {name: [] for name in variants}
     core_ttft: dict[str, list[float]] = {"full": [], **{name: [] for name in variants}}
     for ex in examples:
@@ -127,13 +147,13 @@ def main() -> None:
     plain = first_tokens(plain_llm, prompts, None)
     shutdown(plain_llm)
     report: dict = {"command": "benchmarks/vllm_fidelity.py " + " ".join(os.sys.argv[1:]), "prompts": len(prompts),
-                    "warmup": args.warmup, "split": args.split, "variants": {},
+                    "warmup": args.warmup, "split": args.split, "store": args.store, "variants": {},
                     "ttft_median_s": {"vllm_full": statistics.median(p[2] for p in plain),
                                       "core_full": statistics.median(core_ttft["full"])},
                     "ttft_s": {"vllm_full": [round(p[2], 4) for p in plain],
                                "core_full": [round(t, 4) for t in core_ttft["full"]]}}
     stats = root / "stats.jsonl"
-    blend_llm = llm(model, kv_transfer_config(f"disk:{root / 'kv'}", passages=str(root / "passages.jsonl"),
+    blend_llm = llm(model, kv_transfer_config(store, passages=str(root / "passages.jsonl"),
                                               stats=str(stats)), args.dtype, args.compile)
     for name, opts in variants.items():
         first_tokens(blend_llm, prompts[: args.warmup], opts)
@@ -158,7 +178,7 @@ def main() -> None:
     shutdown(blend_llm)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    print(f"{len(prompts)} musique {args.split} prompts, {args.chunks} passages each")
+    print(f"{len(prompts)} musique {args.split} prompts, {args.chunks} passages each, chunk caches in {args.store}")
     w = max(14, *(len(name) + 2 for name in report["variants"]))
     print(f"{'variant':<{w}}{'vLLM agreement':<28}{'escalated':>10}  {'core agreement':<28}{'escalated':>10}")
     for name, r in report["variants"].items():
