@@ -159,3 +159,21 @@ class RedisServer:
             self.proc.terminate()
             self.proc.wait(timeout=10)
             self.proc = None
+
+
+def kill_mid_write(writer: str, root, temp_glob: str) -> None:
+    """Run ``writer`` (Python source writing to a store at argv[1] in a loop, printing
+    "ready" first) in a child process and SIGKILL it once a temp file matching ``temp_glob``
+    under ``root`` shows it is mid-write (or after 60 s)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", writer, str(root)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    deadline = time.time() + 60
+    while not list(root.glob(temp_glob)) and time.time() < deadline:
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,7 +9,7 @@ import torch
 
 from cacheblend import Engine
 from cacheblend.store import ChunkKV, DiskStore
-from conftest import PASSAGES, QUERY, make_tiny_model
+from conftest import PASSAGES, QUERY, kill_mid_write, make_tiny_model
 from sharer import run_sharers
 
 GEN = dict(max_new_tokens=6)
@@ -98,13 +94,7 @@ while True:
 
 
 def test_writer_killed_mid_write_leaves_nothing_half_written(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    deadline = time.time() + 60
-    while not list(tmp_path.glob("ab/.tmp-*")) and time.time() < deadline:
-        time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_mid_write(_WRITER, tmp_path, "ab/.tmp-*")
     store = DiskStore(tmp_path)
     kv = store.get("ab" * 32)
     assert kv is None or kv.k.shape == (16, 8, 2048, 64)  # the whole entry or none of it

@@ -5,14 +5,13 @@ writers killed with SIGKILL mid-write leave nothing unaccounted (issue 14, item 
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 from cacheblend.store import DiskStore
+from conftest import kill_mid_write
 
 # A child process's start (the file-size limit it sets must not reach pytest): a store
 # at argv[1], and random K/V to fill it with.
@@ -104,13 +103,7 @@ def test_kill_9_during_writes_leaves_nothing_unaccounted(tmp_path):
     root = tmp_path / "kv"
     DiskStore(root)
     for _ in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(root)], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        deadline = time.time() + 60
-        while not list(root.glob("??/.tmp-*")) and time.time() < deadline:
-            time.sleep(0.005)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_mid_write(_WRITER, root, "??/.tmp-*")
     time.sleep(2.1)  # past the grace a just-created temp file gets
     store = DiskStore(root)  # temp files and the killed writers' reservations go at open
     assert not list(root.glob("??/.tmp-*")) and store.stats()["reclaimed_bytes"] > 0
