@@ -16,7 +16,9 @@ Two attention kernels (docs/internals/latency.md says what each replaced and why
 The kernels are built with PyTorch's own extension builder (``torch.utils.cpp_extension``,
 ninja and the system's C++ compiler) into ``$CACHEBLEND_HOME/extensions`` the first time a
 process asks for them on this machine (about 40 s), and loaded from there afterwards (under a
-second).  They need AVX-512; where the CPU lacks it, or no compiler is found, or the build
+second).  They are written for AVX-512 and for AVX2 with FMA (``simd.h``: the same
+kernels, with register tiles sized for each), and built for whichever of the two PyTorch
+reports for this CPU.  Where the CPU has neither, or no compiler is found, or the build
 fails, the module says why once and hands out None, and the engine keeps PyTorch's
 kernels: a slower answer, never a failed request.
 """
@@ -65,13 +67,18 @@ HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
 # -fopenmp: ATen's parallel_for is inline OpenMP (without it the kernel runs on one thread).
 # Explicit ISA flags rather than -march=native, so a build cached on a shared home directory
-# runs on any AVX-512 CPU; CPU_CAPABILITY_AVX512 selects ATen's AVX-512 vector types.
+# runs on any CPU of its ISA; CPU_CAPABILITY_<ISA> selects ATen's vector types of that width
+# (what PyTorch's own kernels use on this CPU).
 # -ffp-contract=off: a product is never fused into a sum unless the source says so, so the
 # bits do not depend on the compiler, and RoPE matches PyTorch's separate products and sum.
-_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-          "-mf16c", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+}
 SOURCES = [Path(__file__).with_name(f)
-            for f in ("decode_attention.cpp", "positional_attention.cpp", "layer_ops.cpp", "bindings.cpp")]
+           for f in ("decode_attention.cpp", "positional_attention.cpp", "layer_ops.cpp", "bindings.cpp", "simd.h")]
 
 _lock = threading.Lock()
 BUILD_TIMEOUT_S = 600.0  # a build takes about 40 s on 2 cores; past this, PyTorch's kernels run instead
@@ -79,10 +86,25 @@ _built: dict[str, Any] = {}
 _why_not: dict[str, str] = {}
 
 
+def isa() -> str | None:
+    """The instruction set the kernels are built for on this CPU: ``"AVX512"``, ``"AVX2"``, or
+    None where PyTorch reports neither (its own kernels then run on older vector units too)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "AVX512" if capability.startswith("AVX512") else "AVX2" if capability == "AVX2" else None
+
+
+def flags(target: str | None = None) -> list[str]:
+    """The compiler flags of a build for ``target`` (default: this CPU's :func:`isa`)."""
+    target = target or isa()
+    if target not in ISA_FLAGS:
+        raise ValueError(f"no kernel build for {target!r}; one of {sorted(ISA_FLAGS)}")
+    return _COMMON_FLAGS + ISA_FLAGS[target]
+
+
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run here (None: it can be built)."""
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return f"the CPU has no AVX-512 (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
+    if isa() is None:
+        return f"the CPU has neither AVX-512 nor AVX2 (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (c++ or $CXX) on PATH"
     try:
@@ -102,7 +124,7 @@ def build_dir() -> Path:
     rollback, ``cp -p``, a tar or Docker copy) kept the old kernels, and two checkouts
     sharing a cache rebuilt each other's."""
     where = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:10]
-    source = hashlib.sha256(" ".join(_FLAGS).encode())
+    source = hashlib.sha256(" ".join(_COMMON_FLAGS + ISA_FLAGS.get(isa() or "", [])).encode())
     for path in SOURCES:
         source.update(path.read_bytes())
     return cache_home() / "extensions" / f"torch-{torch.__version__}-{where}-{source.hexdigest()[:10]}"
@@ -153,7 +175,8 @@ def _build() -> Any:
             folder = build_dir()
             folder.mkdir(parents=True, exist_ok=True)
             with _builder(folder):
-                return cpp_extension.load("cacheblend_native", [str(f) for f in SOURCES], extra_cflags=_FLAGS,
+                return cpp_extension.load("cacheblend_native", [str(f) for f in SOURCES if f.suffix == ".cpp"],
+                                          extra_cflags=flags(), extra_include_paths=[str(Path(__file__).parent)],
                                           build_directory=str(folder), verbose=False)
         except Exception as e:  # noqa: BLE001 - any build failure: PyTorch's kernel runs instead
             reason = f"building it failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"

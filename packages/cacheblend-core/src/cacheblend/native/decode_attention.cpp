@@ -4,102 +4,86 @@
 // Why a kernel of our own: PyTorch's CPU flash kernel treats the 3-row query block like a
 // prefill block (small GEMMs, a horizontal sum per score) and runs at half the memory
 // bandwidth a decode step is bound by.  Here each work item is one KV head's slice of the
-// keys: 16 keys' scores come out of one transposed reduction, softmax is taken over the slice,
-// V is streamed once with the accumulators in registers, and the slices are merged by their
-// maxima and sums (the softmax-of-partial-sums identity, exact up to rounding).
-// AVX-512; cacheblend/native/__init__.py builds it on first use and falls back otherwise.
+// keys: a register's width of keys' scores (16, or 8 on AVX2) come out of one transposed
+// reduction, softmax is taken over the slice, V is streamed once with the accumulators in
+// registers, and the slices are merged by their maxima and sums (the softmax-of-partial-sums
+// identity, exact up to rounding).  AVX-512 or AVX2 (simd.h); cacheblend/native/__init__.py
+// builds it on first use and falls back otherwise.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
-#include <immintrin.h>
 #include <cmath>
 #include <limits>
 #include <vector>
+#include "simd.h"
 
 using Vec = at::vec::Vectorized<float>;
-
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const at::BFloat16* p) {
-  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-
-// r[j] = the sum of the 16 lanes of a[j]: pairs, then 64-bit halves, then 128-bit quarters.
-static inline __m512 reduce16(const __m512* a) {
-  __m512 b[8];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  __m512 c[4];
-  for (int i = 0; i < 4; ++i) {
-    __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-  __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
-}
+using simd::R;
+using simd::W;
+// query rows (grouped heads) that share one pass over V: their accumulators stay in registers
+constexpr int GT = simd::kWide ? 4 : 1;
 
 template <typename T, int DV>
 static void attend_range(const float* q, const T* k, const T* v, int64_t t0, int64_t t1, int64_t G,
                          int64_t rs, float* s, float* acc, float* m, float* l) {
-  constexpr int HD = DV * 16;
+  constexpr int HD = DV * W;
   const int64_t L = t1 - t0;
   const int64_t Lp = (L + 15) / 16 * 16;
   for (int64_t g = 0; g < G; ++g) {
-    __m512 qv[DV];
-    for (int d = 0; d < DV; ++d) qv[d] = _mm512_loadu_ps(q + g * HD + 16 * d);
+    R qv[DV];
+    for (int d = 0; d < DV; ++d) qv[d] = simd::load(q + g * HD + W * d);
     float* sg = s + g * Lp;
     int64_t t = 0;
-    for (; t + 16 <= L; t += 16) {
-      __m512 a[16];
-      for (int j = 0; j < 16; ++j) {
+    for (; t + W <= L; t += W) {
+      R a[W];
+      for (int j = 0; j < W; ++j) {
         const T* kr = k + (t0 + t + j) * rs;
-        __m512 x = _mm512_mul_ps(qv[0], load16(kr));
-        for (int d = 1; d < DV; ++d) x = _mm512_fmadd_ps(qv[d], load16(kr + 16 * d), x);
+        R x = simd::mul(qv[0], simd::load(kr));
+        for (int d = 1; d < DV; ++d) x = simd::fmadd(qv[d], simd::load(kr + W * d), x);
         a[j] = x;
       }
-      _mm512_storeu_ps(sg + t, reduce16(a));
+      simd::store(sg + t, simd::reduce_rows(a));
     }
     for (; t < L; ++t) {
       const T* kr = k + (t0 + t) * rs;
-      __m512 x = _mm512_mul_ps(qv[0], load16(kr));
-      for (int d = 1; d < DV; ++d) x = _mm512_fmadd_ps(qv[d], load16(kr + 16 * d), x);
-      sg[t] = _mm512_reduce_add_ps(x);
+      R x = simd::mul(qv[0], simd::load(kr));
+      for (int d = 1; d < DV; ++d) x = simd::fmadd(qv[d], simd::load(kr + W * d), x);
+      sg[t] = simd::reduce_add(x);
     }
     float mx = -std::numeric_limits<float>::infinity();
     for (t = 0; t < L; ++t) mx = std::max(mx, sg[t]);
     for (; t < Lp; ++t) sg[t] = -std::numeric_limits<float>::infinity();
     Vec sum(0.f);
-    for (t = 0; t < Lp; t += 16) {
+    for (t = 0; t < Lp; t += W) {
       Vec e = (Vec::loadu(sg + t) - Vec(mx)).exp_u20();
       e.store(sg + t);
       sum = sum + e;
     }
     m[g] = mx;
-    l[g] = _mm512_reduce_add_ps(sum);
+    l[g] = simd::reduce_add(sum);
   }
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const int64_t gn = std::min<int64_t>(4, G - g0);
-    __m512 o[4][DV];
-    for (int gi = 0; gi < 4; ++gi) for (int d = 0; d < DV; ++d) o[gi][d] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < G; g0 += GT) {
+    const int64_t gn = std::min<int64_t>(GT, G - g0);
+    R o[GT][DV];
+    for (int gi = 0; gi < GT; ++gi) for (int d = 0; d < DV; ++d) o[gi][d] = simd::zero();
     for (int64_t t = 0; t < L; ++t) {
       const T* vr = v + (t0 + t) * rs;
-      __m512 vv[DV];
-      for (int d = 0; d < DV; ++d) vv[d] = load16(vr + 16 * d);
-      for (int gi = 0; gi < 4; ++gi) {
+      R vv[DV];
+      for (int d = 0; d < DV; ++d) vv[d] = simd::load(vr + W * d);
+      for (int gi = 0; gi < GT; ++gi) {
         if (gi >= gn) break;
-        __m512 p = _mm512_set1_ps(s[(g0 + gi) * Lp + t]);
-        for (int d = 0; d < DV; ++d) o[gi][d] = _mm512_fmadd_ps(p, vv[d], o[gi][d]);
+        R p = simd::set1(s[(g0 + gi) * Lp + t]);
+        for (int d = 0; d < DV; ++d) o[gi][d] = simd::fmadd(p, vv[d], o[gi][d]);
       }
     }
-    for (int gi = 0; gi < gn; ++gi) for (int d = 0; d < DV; ++d) _mm512_storeu_ps(acc + (g0 + gi) * HD + 16 * d, o[gi][d]);
+    for (int gi = 0; gi < gn; ++gi) for (int d = 0; d < DV; ++d) simd::store(acc + (g0 + gi) * HD + W * d, o[gi][d]);
   }
 }
 
 template <typename T, int DV>
 static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t n,
                          double scale, int64_t splits) {
-  constexpr int HD = DV * 16;
+  constexpr int HD = DV * W;
   const int64_t H = q.numel() / HD, KVH = k.size(0), G = H / KVH;
   auto qf = (q.reshape({H, HD}).to(torch::kFloat32) * scale).contiguous();
   const int64_t S = std::max<int64_t>(1, std::min<int64_t>(splits, (n + 15) / 16));
@@ -146,10 +130,10 @@ static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const t
 template <typename T>
 static torch::Tensor dispatch_hd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t n, double scale, int64_t splits) {
   switch (k.size(2)) {
-    case 16: return run<T, 1>(q, k, v, n, scale, splits);
-    case 32: return run<T, 2>(q, k, v, n, scale, splits);
-    case 64: return run<T, 4>(q, k, v, n, scale, splits);
-    case 128: return run<T, 8>(q, k, v, n, scale, splits);
+    case 16: return run<T, 16 / W>(q, k, v, n, scale, splits);
+    case 32: return run<T, 32 / W>(q, k, v, n, scale, splits);
+    case 64: return run<T, 64 / W>(q, k, v, n, scale, splits);
+    case 128: return run<T, 128 / W>(q, k, v, n, scale, splits);
     default: TORCH_CHECK(false, "head_dim must be 16, 32, 64 or 128");
   }
 }

@@ -20,22 +20,23 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
-#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#include "simd.h"
 
 using Vec = at::vec::Vectorized<float>;
 using BF16 = at::BFloat16;
-constexpr int64_t L = Vec::size();
+constexpr int64_t L = Vec::size();  // 16 on AVX-512, 8 on AVX2
 
-// Loads and stores of m <= 16 elements as float32 lanes; round(): to the element type and back.
+// Loads and stores of m <= L elements as float32 lanes; round(): to the element type and back.
 template <typename T> struct Io;
 template <> struct Io<float> {
   static Vec load(const float* p, int64_t m) { return m == L ? Vec::loadu(p) : Vec::loadu(p, m); }
   static void store(float* p, const Vec& v, int64_t m) { if (m == L) v.store(p); else v.store(p, m); }
   static Vec round(const Vec& v) { return v; }
 };
+#if defined(CPU_CAPABILITY_AVX512)
 template <> struct Io<BF16> {
   static __mmask16 mask(int64_t m) { return (__mmask16)((1u << m) - 1); }
   static Vec load(const BF16* p, int64_t m) {
@@ -54,6 +55,38 @@ template <> struct Io<BF16> {
     return Vec(o);
   }
 };
+#else  // AVX2: no masked 16-bit loads and stores, so a short tail goes through a buffer
+template <> struct Io<BF16> {
+  static Vec load(const BF16* p, int64_t m) {
+    __m128i a;
+    if (m == L) {
+      a = _mm_loadu_si128((const __m128i*)p);
+    } else {
+      BF16 t[L] = {};
+      std::copy(p, p + m, t);
+      a = _mm_loadu_si128((const __m128i*)t);
+    }
+    __m256 o;
+    at::vec::cvtbf16_fp32(a, o);
+    return Vec(o);
+  }
+  static void store(BF16* p, const Vec& v, int64_t m) {
+    __m128i b = at::vec::cvtfp32_bf16(__m256(v));
+    if (m == L) {
+      _mm_storeu_si128((__m128i*)p, b);
+    } else {
+      BF16 t[L];
+      _mm_storeu_si128((__m128i*)t, b);
+      std::copy(t, t + m, p);
+    }
+  }
+  static Vec round(const Vec& v) {
+    __m256 o;
+    at::vec::cvtbf16_fp32(at::vec::cvtfp32_bf16(__m256(v)), o);
+    return Vec(o);
+  }
+};
+#endif
 
 static void check_rows(const torch::Tensor& x, int dims, const char* name, c10::ScalarType dtype) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
@@ -76,7 +109,7 @@ static void norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps
       T* o = op + i * d;
       Vec acc(0.f);
       for (int64_t j = 0; j < d; j += L) { Vec v = IO::load(xr + j, std::min(L, d - j)); acc = at::vec::fmadd(v, v, acc); }
-      const Vec r(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(d) + float(eps)));
+      const Vec r(1.f / std::sqrt(simd::reduce_add(acc) / float(d) + float(eps)));
       for (int64_t j = 0; j < d; j += L) {
         const int64_t m = std::min(L, d - j);
         IO::store(o + j, IO::round(IO::load(xr + j, m) * r) * IO::load(wp + j, m), m);

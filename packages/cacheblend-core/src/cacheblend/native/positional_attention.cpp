@@ -14,64 +14,72 @@
 // register tile over V.  The 8 rows' scores (16 KB) stay in L1 from the product to the
 // softmax to the product with V; a whole item's (96 rows, 192 KB) did not, and cost a tenth
 // more time.  Items go to threads by their cost (rows x keys), largest first.  float32,
-// AVX-512; cacheblend/native builds it (with -ffp-contract=off: the bits do not depend on
+// AVX-512 or AVX2 (simd.h: on AVX2's 16 registers the tiles are 4 rows x 16 keys and 1-4 rows
+// x head_dim); cacheblend/native builds it (with -ffp-contract=off: the bits do not depend on
 // where the compiler would fuse a product into a sum).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
-#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
+#include "simd.h"
 
 using Vec = at::vec::Vectorized<float>;
+using simd::R;
+using simd::W;
 constexpr int KB = 512;  // keys per block: fewer blocks, fewer per-row softmax updates (64: 14 % slower)
 constexpr int QB = 32;   // query positions per work item (rows: groups x QB)
 static const float NEG = -std::numeric_limits<float>::infinity();
 
-// S[r][c] = sum_d Qs[r][d] * Kt[d][k0 + c] for 8 rows r (S has rows of KB); mx[r]: the rows' maxima
+// S[r][c] = sum_d Qs[r][d] * Kt[d][k0 + c] for 8 rows r (S has rows of KB); mx[r]: the rows' maxima.
+// SR rows x 2 registers of keys are accumulated at once: all 8 rows on AVX-512, 4 on AVX2.
+constexpr int SR = simd::kWide ? 8 : 4;
 template <int HD>
 static inline void scores8(const float* Qs, const float* Kb, int width, float* S, float* mx) {
-  __m512 m[8];
-  for (int r = 0; r < 8; ++r) m[r] = _mm512_set1_ps(NEG);
-  for (int c0 = 0; c0 < width; c0 += 32) {
-    __m512 acc[8][2];
-    for (int r = 0; r < 8; ++r) { acc[r][0] = _mm512_setzero_ps(); acc[r][1] = _mm512_setzero_ps(); }
-    const float* kp = Kb + c0;
-    for (int d = 0; d < HD; ++d) {
-      __m512 k0v = _mm512_loadu_ps(kp + d * KB), k1v = _mm512_loadu_ps(kp + d * KB + 16);
-      for (int r = 0; r < 8; ++r) {
-        __m512 qb = _mm512_set1_ps(Qs[r * HD + d]);
-        acc[r][0] = _mm512_fmadd_ps(qb, k0v, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(qb, k1v, acc[r][1]);
+  R m[8];
+  for (int r = 0; r < 8; ++r) m[r] = simd::set1(NEG);
+  for (int r0 = 0; r0 < 8; r0 += SR)
+    for (int c0 = 0; c0 < width; c0 += 2 * W) {
+      R acc[SR][2];
+      for (int r = 0; r < SR; ++r) { acc[r][0] = simd::zero(); acc[r][1] = simd::zero(); }
+      const float* kp = Kb + c0;
+      for (int d = 0; d < HD; ++d) {
+        R k0v = simd::load(kp + d * KB), k1v = simd::load(kp + d * KB + W);
+        for (int r = 0; r < SR; ++r) {
+          R qb = simd::set1(Qs[(r0 + r) * HD + d]);
+          acc[r][0] = simd::fmadd(qb, k0v, acc[r][0]);
+          acc[r][1] = simd::fmadd(qb, k1v, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < SR; ++r) {
+        simd::store(S + (r0 + r) * KB + c0, acc[r][0]);
+        simd::store(S + (r0 + r) * KB + c0 + W, acc[r][1]);
+        m[r0 + r] = simd::max(m[r0 + r], simd::max(acc[r][0], acc[r][1]));
       }
     }
-    for (int r = 0; r < 8; ++r) {
-      _mm512_storeu_ps(S + r * KB + c0, acc[r][0]);
-      _mm512_storeu_ps(S + r * KB + c0 + 16, acc[r][1]);
-      m[r] = _mm512_max_ps(m[r], _mm512_max_ps(acc[r][0], acc[r][1]));
-    }
-  }
-  for (int r = 0; r < 8; ++r) mx[r] = _mm512_reduce_max_ps(m[r]);
+  for (int r = 0; r < 8; ++r) mx[r] = simd::reduce_max(m[r]);
 }
 
-// O[r][:] += sum_c P[r][c] * V[c][:], c in [0, kn)
+// O[r][:] += sum_c P[r][c] * V[c][:], c in [0, kn).  AR rows' outputs (AR x head_dim) stay in
+// registers: 4 rows on AVX-512; on AVX2 as many of 4, 2, 1 as leave room for a row of V.
 template <int HD>
-static inline void accumulate(const float* P, const float* V, int64_t ldv, int kn, int R, float* O) {
-  constexpr int DV = HD / 16;
-  for (int r0 = 0; r0 < R; r0 += 4) {
-    __m512 o[4][DV];
-    for (int r = 0; r < 4; ++r) for (int d = 0; d < DV; ++d) o[r][d] = _mm512_loadu_ps(O + (r0 + r) * HD + 16 * d);
+static inline void accumulate(const float* P, const float* V, int64_t ldv, int kn, int R_, float* O) {
+  constexpr int DV = HD / W;
+  constexpr int AR = simd::kWide || DV <= 2 ? 4 : DV <= 4 ? 2 : 1;
+  for (int r0 = 0; r0 < R_; r0 += AR) {
+    R o[AR][DV];
+    for (int r = 0; r < AR; ++r) for (int d = 0; d < DV; ++d) o[r][d] = simd::load(O + (r0 + r) * HD + W * d);
     for (int c = 0; c < kn; ++c) {
-      __m512 vv[DV];
-      for (int d = 0; d < DV; ++d) vv[d] = _mm512_loadu_ps(V + c * ldv + 16 * d);
-      for (int r = 0; r < 4; ++r) {
-        __m512 p = _mm512_set1_ps(P[(r0 + r) * KB + c]);
-        for (int d = 0; d < DV; ++d) o[r][d] = _mm512_fmadd_ps(p, vv[d], o[r][d]);
+      R vv[DV];
+      for (int d = 0; d < DV; ++d) vv[d] = simd::load(V + c * ldv + W * d);
+      for (int r = 0; r < AR; ++r) {
+        R p = simd::set1(P[(r0 + r) * KB + c]);
+        for (int d = 0; d < DV; ++d) o[r][d] = simd::fmadd(p, vv[d], o[r][d]);
       }
     }
-    for (int r = 0; r < 4; ++r) for (int d = 0; d < DV; ++d) _mm512_storeu_ps(O + (r0 + r) * HD + 16 * d, o[r][d]);
+    for (int r = 0; r < AR; ++r) for (int d = 0; d < DV; ++d) simd::store(O + (r0 + r) * HD + W * d, o[r][d]);
   }
 }
 
@@ -136,22 +144,22 @@ static void item(const float* q, int64_t qhs, int64_t qrs, const float* Kt, cons
             std::fill(s, s + lo, NEG);
           }
           Vec mv(NEG);
-          for (int c = 0; c < width; c += 16) mv = at::vec::maximum(mv, Vec::loadu(s + c));
-          bm = _mm512_reduce_max_ps(mv);
+          for (int c = 0; c < width; c += W) mv = at::vec::maximum(mv, Vec::loadu(s + c));
+          bm = simd::reduce_max(mv);
         }
         const float mnew = std::max(m[r], bm);
         if (mnew == NEG) { for (int c = 0; c < width; ++c) s[c] = 0.f; continue; }
         const float alpha = std::exp(m[r] - mnew);
         Vec sum(0.f);
-        for (int c = 0; c < width; c += 16) {
+        for (int c = 0; c < width; c += W) {
           Vec e = (Vec::loadu(s + c) - Vec(mnew)).exp_u20();
           e.store(s + c);
           sum = sum + e;
         }
-        l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+        l[r] = l[r] * alpha + simd::reduce_add(sum);
         if (alpha != 1.f) {
           float* o = O_ + r * HD;
-          for (int d = 0; d < HD; d += 16) (Vec::loadu(o + d) * Vec(alpha)).store(o + d);
+          for (int d = 0; d < HD; d += W) (Vec::loadu(o + d) * Vec(alpha)).store(o + d);
         }
         m[r] = mnew;
       }
@@ -168,25 +176,23 @@ static void item(const float* q, int64_t qhs, int64_t qrs, const float* Kt, cons
 }
 
 // Kt[h][b][d][c] = k[h][b * KB + c][d], zero past the N keys; one (head, block) per task.
-// 16 keys at a time: each of the HD columns is one gather of the 16 rows and one full
-// 64-byte store (element by element, the stores strided by a block row cost about 1 ms
+// W keys at a time: each of the HD columns is one gather of the W rows and one full
+// register's store (element by element, the stores strided by a block row cost about 1 ms
 // a call on a 3.7K-token prompt, a blend's whole attention at 5 % being 6 ms)
 template <int HD>
 static void transpose_keys(const torch::Tensor& k, int64_t N, torch::Tensor& Kt) {
   const int64_t KVH = k.size(0), nb = Kt.size(1), s0 = k.stride(0), s1 = k.stride(1);
   const float* kp = k.data_ptr<float>();
   float* tp = Kt.data_ptr<float>();
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32((int)s1));
+  const simd::I rows = simd::strided(s1);
   at::parallel_for(0, KVH * nb, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t h = t / nb, blk = t % nb, c_end = std::min<int64_t>(KB, N - blk * KB);
       float* dst = tp + t * HD * KB;
       const float* src = kp + h * s0 + blk * KB * s1;
       int64_t c = 0;
-      for (; c + 16 <= c_end; c += 16)
-        for (int d = 0; d < HD; ++d)
-          _mm512_storeu_ps(dst + d * KB + c, _mm512_i32gather_ps(rows, src + c * s1 + d, 4));
+      for (; c + W <= c_end; c += W)
+        for (int d = 0; d < HD; ++d) simd::store(dst + d * KB + c, simd::gather(src + c * s1 + d, rows));
       for (; c < c_end; ++c)
         for (int d = 0; d < HD; ++d) dst[d * KB + c] = src[c * s1 + d];
       if (c_end < KB)
