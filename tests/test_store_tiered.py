@@ -177,3 +177,40 @@ def test_a_second_pass_over_a_promoted_read_serves_the_checked_copy(tmp_path):
     assert puts == [KEY_A]
     promoted = mem.get(KEY_A)
     assert torch.equal(promoted.k, kv.k) and torch.equal(promoted.v, kv.v)
+
+
+class _Untagged:
+    """A lazy source from a store written before the protocol named its tier (no ``tier``)."""
+
+    def __init__(self, kv: ChunkKV) -> None:
+        self._kv, self.num_layers, self.num_tokens, self.meta = kv, kv.num_layers, kv.num_tokens, {}
+
+    def layer(self, index: int):
+        return self._kv.layer(index)
+
+
+class _UntaggedTier(MemoryStore):
+    def open(self, key):
+        kv = self.get(key)
+        return None if kv is None else _Untagged(kv)
+
+
+def test_a_source_that_names_no_tier_still_serves(tmp_path):
+    """``LayerSource.tier`` is part of the protocol now (the loader reads a socket-bound tier
+    ahead); a store object handed to the engine whose sources lack it reads as a tier of
+    unknown cost, wrapped by the tiered store or shape-checked alone, never a failed request."""
+    from cacheblend.blend.loader import LayerLoader
+    from cacheblend.store.entry import ShapeChecked
+
+    custom = _UntaggedTier()
+    custom.put(KEY_A, _kv())
+    wrapped = TieredStore([MemoryStore(), custom]).open(KEY_A)
+    alone = ShapeChecked(custom.open(KEY_A), kv_heads=2, head_dim=4, on_bad=lambda: None)
+    assert wrapped is not None and wrapped.tier == "unknown" and alone.tier == "unknown"
+    loader = LayerLoader([wrapped, alone], 3, None)
+    try:
+        for layer in range(3):
+            (k1, _), (k2, _) = loader.layer(layer)
+            assert torch.equal(k1, _kv().k[layer]) and torch.equal(k2, _kv().k[layer])
+    finally:
+        loader.close(wait_for_reads=True)

@@ -66,7 +66,7 @@ class LayerLoader:
     def __init__(self, sources: Sequence[LayerSource], num_layers: int, prefetch: bool | None = True,
                  check: Callable[[], None] | None = None) -> None:
         self.sources = list(sources)
-        prefetch = pipelined(prefetch, {getattr(s, "tier", "") for s in self.sources})
+        prefetch = pipelined(prefetch, {s.tier for s in self.sources})
         self._check = check
         self.num_layers = num_layers
         self.load_s = 0.0  # time spent reading layers (in the worker, or inline)

@@ -28,6 +28,12 @@ class LayerSource(Protocol):
     @property
     def meta(self) -> dict[str, str]: ...
 
+    @property
+    def tier(self) -> str:
+        """Where the layers come from ("memory", "disk", "redis"): the loader reads a tier
+        whose reads wait on a socket ahead of the fusor, and one whose reads are CPU work not."""
+        ...
+
     def layer(self, index: int) -> tuple[Tensor, Tensor]: ...
 
 
@@ -83,7 +89,7 @@ class PrefixView:
             raise ValueError(f"a view of {num_tokens} tokens of a {source.num_tokens}-token entry")
         self.source, self.num_tokens = source, num_tokens
         self.num_layers, self.meta = source.num_layers, source.meta
-        self.tier = getattr(source, "tier", "memory")
+        self.tier = source.tier
 
     def layer(self, index: int) -> tuple[Tensor, Tensor]:
         k, v = self.source.layer(index)
@@ -99,7 +105,9 @@ class ShapeChecked:
     def __init__(self, source: LayerSource, kv_heads: int, head_dim: int, on_bad) -> None:
         self.source, self.shape, self._on_bad = source, (kv_heads, source.num_tokens, head_dim), on_bad
         self.num_tokens, self.num_layers, self.meta = source.num_tokens, source.num_layers, source.meta
-        self.tier = getattr(source, "tier", "memory")
+        # every source of a store object the engine was handed passes here: one written
+        # before the protocol named its tier still serves (read as a tier of unknown cost)
+        self.tier: str = getattr(source, "tier", "unknown")
 
     def layer(self, index: int) -> tuple[Tensor, Tensor]:
         k, v = self.source.layer(index)

@@ -109,7 +109,7 @@ class _PromotingSource:
     def __init__(self, store: TieredStore, key: str, source: LayerSource, faster: list[Tier]) -> None:
         self._store, self.key, self._source, self._faster = store, key, source, faster
         self.num_layers, self.num_tokens, self.meta = source.num_layers, source.num_tokens, source.meta
-        self.tier = getattr(source, "tier", "store")
+        self.tier: str = getattr(source, "tier", "unknown")  # a tier object written before the protocol named it
         self._into = getattr(source, "layer_into", None)  # copies into a given buffer (the disk tier)
         self._read: set[int] = set()
         self._k: Tensor | None = None
