@@ -40,14 +40,16 @@ class EngineConfig:
     weights for one-row products (``models/packed.py``: a sixth faster decode, prefill no
     slower, same memory) — off where the weights must stay views of the memory-mapped
     safetensors file (the vLLM connector's worker, which shares those pages with other
-    processes); ``onednn_weights``: with packed weights and no ``compile``, run every
-    product on weights reordered once for oneDNN (``models/onednn.py``; 0.14 GB more memory
-    on SmolLM2-135M); None: where a one-row pass, timed at load, is faster through oneDNN
-    than through MKL (the winner varies by CPU and dtype; unpacked weights: oneDNN on them as
-    they are, unless False); ``compile_decode``: one compiled graph per decode step (:mod:`.generate.compiled`:
-    3–6 % faster per token; 12–20 s to compile once per machine, then about 3 s per process);
-    ``native_attention``: decode steps, and float32 prefill, attend through our C++ kernels
-    (:mod:`cacheblend.native`: 40–70 s to build once per machine; None: where they build);
+    processes), and left unpacked in bfloat16 where the CPU has no bf16 products (AVX2:
+    ``packing_pays``, the packed layout is about 12x slower there); ``onednn_weights``: with
+    packed weights and no ``compile``, run every product on weights reordered once for oneDNN
+    (``models/onednn.py``; 0.14 GB more memory on SmolLM2-135M); None: where a one-row pass,
+    timed at load, is faster through oneDNN than through MKL (the winner varies by CPU and
+    dtype; unpacked weights: oneDNN on them as they are, unless False); ``compile_decode``: one
+    compiled graph per decode step (:mod:`.generate.compiled`: 3–6 % faster per token; 12–20 s
+    to compile once per machine, then about 3 s per process); ``native_attention``: decode
+    steps, and float32 prefill, attend through our C++ kernels (:mod:`cacheblend.native`: 40–70
+    s to build once per machine; None: where they build);
     ``reuse_kv_buffer``: keep the last request's fused KV buffer (:mod:`cacheblend.generate.kv_pool`)."""
 
     device: str = "cpu"

@@ -25,7 +25,7 @@ from ..errors import CacheBlendError
 from .external import ExternalProducts
 from .kernels import Kernels, Shift, apply_rope, finish, rotate_half
 from .onednn import OneDnnWeights, faster_one_row, give_back_freed_memory, in_place_products, linear, release
-from .packed import PackedWeights
+from .packed import PackedWeights, packing_pays
 
 log = logging.getLogger("cacheblend.decoder")
 
@@ -107,7 +107,8 @@ class Decoder:
         self.has_qk_norm = hasattr(attn0, "q_norm")
         self._q_width = self.shape.num_heads * head_dim  # queries' columns in a packed q/k/v
         plain = getattr(cfg, "hidden_act", None) in ("silu", "swish") and _plain_layers(self.layers)
-        self.packed: PackedWeights | None = PackedWeights.pack(hf_model) if pack and plain else None
+        packs = pack and plain and packing_pays(self.shape.dtype)
+        self.packed: PackedWeights | None = PackedWeights.pack(hf_model) if packs else None
         self.kernels = Kernels(compile and self.packed is not None)
         self.dnn: OneDnnWeights | None = None
         if onednn is not False and self.packed is not None and not self.kernels.compiled:
