@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,6 +245,14 @@ def test_the_build_folder_follows_the_kernel_sources(tmp_path, monkeypatch):
     os.utime(copies[0], ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and dated as before
     assert native.build_dir() != before
 
+
+
+def test_every_source_and_header_of_the_build_names_its_folder():
+    """A header left out of ``SOURCES`` would change the kernels without moving the build
+    folder, so a cached module built from the old header would keep being loaded."""
+    folder = Path(native.__file__).parent
+    on_disk = {p.name for p in folder.iterdir() if p.suffix in (".cpp", ".h")}
+    assert on_disk == {s.name for s in native.SOURCES}
 
 @needs_kernel
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_one():

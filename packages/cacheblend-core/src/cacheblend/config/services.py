@@ -48,8 +48,8 @@ class EngineConfig:
     dtype; unpacked weights: oneDNN on them as they are, unless False); ``compile_decode``: one
     compiled graph per decode step (:mod:`.generate.compiled`: 3–6 % faster per token; 12–20 s
     to compile once per machine, then about 3 s per process); ``native_attention``: decode
-    steps, and float32 prefill, attend through our C++ kernels (:mod:`cacheblend.native`: 40–70
-    s to build once per machine; None: where they build);
+    steps, and float32 prefill, attend through our C++ kernels (:mod:`cacheblend.native`: about
+    30 s to build once per machine; None: where they build);
     ``reuse_kv_buffer``: keep the last request's fused KV buffer (:mod:`cacheblend.generate.kv_pool`)."""
 
     device: str = "cpu"

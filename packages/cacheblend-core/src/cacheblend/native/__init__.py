@@ -15,7 +15,7 @@ Two attention kernels (docs/internals/latency.md says what each replaced and why
 
 The kernels are built with PyTorch's own extension builder (``torch.utils.cpp_extension``,
 ninja and the system's C++ compiler) into ``$CACHEBLEND_HOME/extensions`` the first time a
-process asks for them on this machine (40–70 s on 2 cores), and loaded from there afterwards (under a
+process asks for them on this machine (about 30 s on 2 cores), and loaded from there afterwards (under a
 second).  They are written for AVX-512 and for AVX2 with FMA (``simd.h``: the same
 kernels, with register tiles sized for each), and built for whichever of the two PyTorch
 reports for this CPU.  Where the CPU has neither, or no compiler is found, or the build
@@ -78,10 +78,11 @@ ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 SOURCES = [Path(__file__).with_name(f)
-           for f in ("decode_attention.cpp", "positional_attention.cpp", "layer_ops.cpp", "bindings.cpp", "simd.h")]
+           for f in ("decode_attention.cpp", "positional_attention.cpp", "layer_ops.cpp", "bindings.cpp",
+                     "kernels.h", "simd.h")]
 
 _lock = threading.Lock()
-BUILD_TIMEOUT_S = 600.0  # a build takes 40–70 s on 2 cores; past this, PyTorch's kernels run instead
+BUILD_TIMEOUT_S = 600.0  # a build takes about 30 s on 2 cores; past this, PyTorch's kernels run instead
 _built: dict[str, Any] = {}
 _why_not: dict[str, str] = {}
 

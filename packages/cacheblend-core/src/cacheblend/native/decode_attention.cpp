@@ -9,9 +9,7 @@
 // registers, and the slices are merged by their maxima and sums (the softmax-of-partial-sums
 // identity, exact up to rounding).  AVX-512 or AVX2 (simd.h); cacheblend/native/__init__.py
 // builds it on first use and falls back otherwise.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
+#include "kernels.h"
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -81,11 +79,11 @@ static void attend_range(const float* q, const T* k, const T* v, int64_t t0, int
 }
 
 template <typename T, int DV>
-static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t n,
+static at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t n,
                          double scale, int64_t splits) {
   constexpr int HD = DV * W;
   const int64_t H = q.numel() / HD, KVH = k.size(0), G = H / KVH;
-  auto qf = (q.reshape({H, HD}).to(torch::kFloat32) * scale).contiguous();
+  auto qf = q.reshape({H, HD}).to(at::kFloat).mul(scale).contiguous();
   const int64_t S = std::max<int64_t>(1, std::min<int64_t>(splits, (n + 15) / 16));
   const int64_t per = ((n + S - 1) / S + 15) / 16 * 16;
   const int64_t items = KVH * S;
@@ -109,7 +107,7 @@ static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const t
                           ms.data() + i * G, ls.data() + i * G);
     }
   });
-  auto out = torch::empty({H, 1, HD}, torch::kFloat32);
+  auto out = at::empty({H, 1, HD}, at::kFloat);
   float* op = out.data_ptr<float>();
   for (int64_t h = 0; h < KVH; ++h)
     for (int64_t g = 0; g < G; ++g) {
@@ -124,11 +122,11 @@ static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const t
         o[d] = x / den;
       }
     }
-  return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
+  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
 template <typename T>
-static torch::Tensor dispatch_hd(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t n, double scale, int64_t splits) {
+static at::Tensor dispatch_hd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t n, double scale, int64_t splits) {
   switch (k.size(2)) {
     case 16: return run<T, 16 / W>(q, k, v, n, scale, splits);
     case 32: return run<T, 32 / W>(q, k, v, n, scale, splits);
@@ -140,14 +138,14 @@ static torch::Tensor dispatch_hd(const torch::Tensor& q, const torch::Tensor& k,
 
 // q [H, 1, hd] (any float dtype), k and v [KVH, capacity, hd] views with contiguous rows holding
 // keys 0..n-1, scale, key slices per head (work items: KVH x splits).  Returns [H, 1, hd] in q's dtype.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t n, double scale, int64_t splits) {
+at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, int64_t n, double scale, int64_t splits) {
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.strides() == v.strides(), "K/V rows must be contiguous");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "k and v must both be [kv_heads, capacity, head_dim]");
   TORCH_CHECK(n >= 1 && n <= k.size(1), "n must be in [1, capacity]");
   TORCH_CHECK(q.numel() % k.size(2) == 0 && (q.numel() / k.size(2)) % k.size(0) == 0,
               "q must hold a multiple of kv_heads query heads of head_dim");
   TORCH_CHECK(splits >= 1 && splits <= 64, "splits must be in [1, 64]");
-  if (k.scalar_type() == torch::kFloat32) return dispatch_hd<float>(q, k, v, n, scale, splits);
-  TORCH_CHECK(k.scalar_type() == torch::kBFloat16, "float32 or bfloat16 caches");
+  if (k.scalar_type() == at::kFloat) return dispatch_hd<float>(q, k, v, n, scale, splits);
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16, "float32 or bfloat16 caches");
   return dispatch_hd<at::BFloat16>(q, k, v, n, scale, splits);
 }

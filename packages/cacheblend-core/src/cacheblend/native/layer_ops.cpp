@@ -17,9 +17,7 @@
 // round (after each product and sum; the norm in float32, then rounded, then times the
 // weight).  Rows are independent: a row's result does not depend on which other rows share
 // the call.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
+#include "kernels.h"
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -88,8 +86,8 @@ template <> struct Io<BF16> {
 };
 #endif
 
-static void check_rows(const torch::Tensor& x, int dims, const char* name, c10::ScalarType dtype) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+static void check_rows(const at::Tensor& x, int dims, const char* name, c10::ScalarType dtype) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               name, " must be float32 or bfloat16");
   TORCH_CHECK(x.scalar_type() == dtype, name, " must have the input's dtype");
   TORCH_CHECK(x.dim() == dims, name, " must have ", dims, " dimensions");
@@ -97,7 +95,7 @@ static void check_rows(const torch::Tensor& x, int dims, const char* name, c10::
 }
 
 template <typename T>
-static void norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
+static void norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
   using IO = Io<T>;
   const int64_t n = x.size(0), d = x.size(1), ldx = x.stride(0);
   const T* xp = x.data_ptr<T>();
@@ -119,12 +117,12 @@ static void norm_rows(const torch::Tensor& x, const torch::Tensor& w, double eps
 }
 
 // x [n, d] (rows contiguous), w [d] -> [n, d]: x * rsqrt(mean(x^2) + eps), then times w
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   check_rows(x, 2, "x", x.scalar_type());
   check_rows(w, 1, "the norm's weight", x.scalar_type());
   TORCH_CHECK(w.size(0) == x.size(1), "the norm's weight must be [", x.size(1), "]");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-  if (x.scalar_type() == torch::kFloat32) norm_rows<float>(x, w, eps, out); else norm_rows<BF16>(x, w, eps, out);
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat) norm_rows<float>(x, w, eps, out); else norm_rows<BF16>(x, w, eps, out);
   return out;
 }
 
@@ -144,7 +142,7 @@ static inline void rope_row(const T* x, const T* dx, const T* c, const T* s, T* 
 }
 
 template <typename T>
-static void rope_typed(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+static void rope_typed(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   const int64_t H = x.size(0), n = x.size(1), hd = x.size(2), half = hd / 2;
   const T* xp = x.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
@@ -163,7 +161,7 @@ static void rope_typed(const torch::Tensor& x, const torch::Tensor& cos, const t
 
 // out = x * cos + rotate_half(x) * sin, x and out [heads, n, hd] (last dimension contiguous,
 // any other strides), cos and sin [n, hd] (rows contiguous)
-static void rope_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+static void rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   check_rows(x, 3, "x", x.scalar_type());
   check_rows(cos, 2, "cos", x.scalar_type());
   check_rows(sin, 2, "sin", x.scalar_type());
@@ -173,23 +171,23 @@ static void rope_rows(const torch::Tensor& x, const torch::Tensor& cos, const to
   TORCH_CHECK(cos.size(0) == n && cos.size(1) == hd && sin.sizes() == cos.sizes(),
               "cos and sin must be [", n, ", ", hd, "]");
   TORCH_CHECK(out.sizes() == x.sizes(), "out must have x's shape");
-  if (x.scalar_type() == torch::kFloat32) rope_typed<float>(x, cos, sin, out); else rope_typed<BF16>(x, cos, sin, out);
+  if (x.scalar_type() == at::kFloat) rope_typed<float>(x, cos, sin, out); else rope_typed<BF16>(x, cos, sin, out);
 }
 
 // x [heads, n, hd] -> x rotated, [heads, n, hd] contiguous
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  auto out = torch::empty(x.sizes(), x.options());
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  auto out = at::empty(x.sizes(), x.options());
   rope_rows(x, cos, sin, out);
   return out;
 }
 
 // x rotated into out (a slice of the fused cache: re-positioning a chunk's keys); out must not overlap x
-void rope_into(torch::Tensor out, torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void rope_into(at::Tensor out, at::Tensor x, at::Tensor cos, at::Tensor sin) {
   rope_rows(x, cos, sin, out);
 }
 
 template <typename T>
-static void gate_rows(const torch::Tensor& gate, const torch::Tensor& up, torch::Tensor& out) {
+static void gate_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
   using IO = Io<T>;
   const int64_t n = gate.size(0), I = gate.size(1), ldg = gate.stride(0), ldu = up.stride(0);
   const T* gp = gate.data_ptr<T>();
@@ -212,12 +210,12 @@ static void gate_rows(const torch::Tensor& gate, const torch::Tensor& up, torch:
 
 // silu(gate) * up, gate and up [n, I] (rows contiguous, any row strides: the two halves of
 // one packed product, or two products of transformers' modules) -> [n, I]
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
   check_rows(gate, 2, "gate", gate.scalar_type());
   check_rows(up, 2, "up", gate.scalar_type());
   TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up must have one shape");
-  auto out = torch::empty({gate.size(0), gate.size(1)}, gate.options());
-  if (gate.scalar_type() == torch::kFloat32) gate_rows<float>(gate, up, out); else gate_rows<BF16>(gate, up, out);
+  auto out = at::empty({gate.size(0), gate.size(1)}, gate.options());
+  if (gate.scalar_type() == at::kFloat) gate_rows<float>(gate, up, out); else gate_rows<BF16>(gate, up, out);
   return out;
 }
 
@@ -232,8 +230,8 @@ struct Span {
 };
 
 template <typename T>
-static void reposition_typed(torch::Tensor& out_k, torch::Tensor& out_v, const std::vector<Span>& spans,
-                             const torch::Tensor& cos, const torch::Tensor& sin) {
+static void reposition_typed(at::Tensor& out_k, at::Tensor& out_v, const std::vector<Span>& spans,
+                             const at::Tensor& cos, const at::Tensor& sin) {
   using IO = Io<T>;
   const int64_t H = out_k.size(0), hd = out_k.size(2), half = hd / 2, S = spans.size();
   const int64_t ok0 = out_k.stride(0), ok1 = out_k.stride(1), ov0 = out_v.stride(0), ov1 = out_v.stride(1);
@@ -267,9 +265,9 @@ static void reposition_typed(torch::Tensor& out_k, torch::Tensor& out_v, const s
 
 // out_k, out_v [KVH, >= n, hd]: one layer of the fused cache; per span its start, K and V
 // [KVH, len, hd] and optional shifts dk, dv [KVH, 1, hd]; cos, sin [n, hd] for positions 0..n-1
-void reposition(torch::Tensor out_k, torch::Tensor out_v, std::vector<int64_t> starts, std::vector<torch::Tensor> ks,
-                std::vector<torch::Tensor> vs, std::vector<c10::optional<torch::Tensor>> dks,
-                std::vector<c10::optional<torch::Tensor>> dvs, torch::Tensor cos, torch::Tensor sin) {
+void reposition(at::Tensor out_k, at::Tensor out_v, std::vector<int64_t> starts, std::vector<at::Tensor> ks,
+                std::vector<at::Tensor> vs, std::vector<c10::optional<at::Tensor>> dks,
+                std::vector<c10::optional<at::Tensor>> dvs, at::Tensor cos, at::Tensor sin) {
   const auto dtype = out_k.scalar_type();
   check_rows(out_k, 3, "out_k", dtype);
   check_rows(out_v, 3, "out_v", dtype);
@@ -302,6 +300,6 @@ void reposition(torch::Tensor out_k, torch::Tensor out_v, std::vector<int64_t> s
       (which == 0 ? sp.dks : sp.dvs) = d->stride(0);
     }
   }
-  if (dtype == torch::kFloat32) reposition_typed<float>(out_k, out_v, spans, cos, sin);
+  if (dtype == at::kFloat) reposition_typed<float>(out_k, out_v, spans, cos, sin);
   else reposition_typed<BF16>(out_k, out_v, spans, cos, sin);
 }

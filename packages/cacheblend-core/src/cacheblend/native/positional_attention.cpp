@@ -17,9 +17,7 @@
 // AVX-512 or AVX2 (simd.h: on AVX2's 16 registers the tiles are 4 rows x 16 keys and 1-4 rows
 // x head_dim); cacheblend/native builds it (with -ffp-contract=off: the bits do not depend on
 // where the compiler would fuse a product into a sum).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
+#include "kernels.h"
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -180,7 +178,7 @@ static void item(const float* q, int64_t qhs, int64_t qrs, const float* Kt, cons
 // register's store (element by element, the stores strided by a block row cost about 1 ms
 // a call on a 3.7K-token prompt, a blend's whole attention at 5 % being 6 ms)
 template <int HD>
-static void transpose_keys(const torch::Tensor& k, int64_t N, torch::Tensor& Kt) {
+static void transpose_keys(const at::Tensor& k, int64_t N, at::Tensor& Kt) {
   const int64_t KVH = k.size(0), nb = Kt.size(1), s0 = k.stride(0), s1 = k.stride(1);
   const float* kp = k.data_ptr<float>();
   float* tp = Kt.data_ptr<float>();
@@ -202,18 +200,18 @@ static void transpose_keys(const torch::Tensor& k, int64_t N, torch::Tensor& Kt)
 }
 
 template <int HD>
-static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos,
+static at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
                          double scale, int64_t window) {
   const int64_t H = q.size(0), M = q.size(1), KVH = k.size(0);
   const int G = H / KVH;
   const int64_t N = pos[M - 1].item<int64_t>() + 1;
   const int64_t nb = (N + KB - 1) / KB, ldk = nb * HD * KB;
   // K transposed in blocks of KB keys: [KVH][block][HD][KB], each block one contiguous 16 KB
-  auto Kt = torch::empty({KVH, nb, HD, KB}, torch::kFloat32);
+  auto Kt = at::empty({KVH, nb, HD, KB}, at::kFloat);
   transpose_keys<HD>(k, N, Kt);
   // the output in [M, H, HD] memory, returned as its [H, M, HD] view: the caller's next step
   // (the output projection) reads it as [M, H * HD] rows without a copy
-  auto out = torch::empty({M, H, HD}, torch::kFloat32);
+  auto out = at::empty({M, H, HD}, at::kFloat);
   const int64_t* pp = pos.data_ptr<int64_t>();
   // items: (head, block), cost ~ the keys its rows see; greedy to the least loaded thread
   struct It { int h; int64_t i0, i1; double cost; };
@@ -253,12 +251,12 @@ static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k, const t
 
 // q [H, M, hd] float32 (rows contiguous), k and v [KVH, >=N, hd] (rows contiguous), q_pos [M] int64 sorted:
 // query i sees keys 0..q_pos[i] (and, with a window w > 0, only keys > q_pos[i] - w).
-torch::Tensor positional_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_pos, double scale,
+at::Tensor positional_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor q_pos, double scale,
                                    int64_t window) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "float32 only");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "rows must be contiguous");
-  TORCH_CHECK(q_pos.scalar_type() == torch::kInt64 && q_pos.is_contiguous(), "q_pos must be contiguous int64");
+  TORCH_CHECK(q_pos.scalar_type() == at::kLong && q_pos.is_contiguous(), "q_pos must be contiguous int64");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2),
               "q must be [heads, rows, head_dim], k and v [kv_heads, keys, head_dim]");
   TORCH_CHECK(q.size(0) % k.size(0) == 0, "query heads must be a multiple of kv_heads");
