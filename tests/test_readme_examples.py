@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from cacheblend import native
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,9 +25,12 @@ def _example(readme: Path) -> str:
 @pytest.mark.parametrize("package", ["langchain-cacheblend", "llamaindex-cacheblend"])
 def test_readme_rag_example_runs(package, tmp_path, default_model_dir):
     code = _example(ROOT / "packages" / package / "README.md")
-    home = tmp_path / "home"  # a store of its own; the converted default model is shared
+    home = tmp_path / "home"  # a store of its own; the converted default model and the built kernels are shared
     home.mkdir()
     (home / "models").symlink_to(default_model_dir.parent)
+    kernels = native.build_dir().parent
+    kernels.mkdir(parents=True, exist_ok=True)
+    (home / "extensions").symlink_to(kernels, target_is_directory=True)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path,
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "CACHEBLEND_HOME": str(home)})
     assert out.returncode == 0, out.stderr[-3000:]
