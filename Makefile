@@ -45,8 +45,10 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 # The main suite (tests/test_remote.py talks to a vLLM server it starts from .venv-vllm),
-# then the connector's own tests inside .venv-vllm.
-test: $(STAMP) $(VLLM_STAMP)
+# then the connector's own tests inside .venv-vllm.  The two venvs are independent and
+# pip spends most of an install on one core (unpacking, byte-compiling): built side by side.
+test:
+	$(MAKE) -j2 $(STAMP) $(VLLM_STAMP)
 	bash scripts/ensure-redis.sh
 	bash scripts/ensure-chromium.sh
 	CACHEBLEND_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q --durations=25 tests
