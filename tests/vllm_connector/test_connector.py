@@ -46,8 +46,11 @@ def setup(tmp_path_factory, default_model_dir):
         prompts.append(engine.prompts.build(ex.query, [list(h.token_ids) for h in handles[-1]], None,
                                             QA_PREAMBLE).all_ids)
     register_passages(root / "passages.jsonl", [p for ex in examples for p in ex.passages])
+    # example 1's question over its first passage alone: one chunk to blend, for the tests that
+    # only need a blendable prompt (a plain prefill of it takes a tenth of a 4-passage one's)
+    short = engine.prompts.build(examples[1].query, [list(handles[1][0].token_ids)], None, QA_PREAMBLE).all_ids
     return {"root": root, "model": str(default_model_dir), "prompts": prompts, "encode": engine.prompts.encode,
-            "examples": examples, "engine": engine, "handles": handles}
+            "examples": examples, "engine": engine, "handles": handles, "short": short}
 
 
 def _llm(model: str, extra: dict | None):
@@ -86,13 +89,15 @@ def _shutdown(llm) -> None:
 
 @pytest.fixture(scope="module")
 def plain(setup):
-    """Plain vLLM: prompt 0 with 8 tokens, the others with 1."""
+    """Plain vLLM: prompt 0 with 8 tokens, the others and the short prompt with 1."""
     prompts = setup["prompts"]
     llm = _llm(setup["model"], None)
     try:
-        return _generate(llm, [(prompts[0], MAX_TOKENS, 1.0)] + [(p, 1, 1.0) for p in prompts[1:]])
+        outs = _generate(llm, [(prompts[0], MAX_TOKENS, 1.0)] + [(p, 1, 1.0) for p in prompts[1:]]
+                         + [(setup["short"], 1, 1.0)])
     finally:
         _shutdown(llm)
+    return {"prompts": outs[:-1], "short": outs[-1]}
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +122,7 @@ def outputs(setup, plain, blend_llm):
     before = sorted(p.name for p in kv_dir.rglob("*") if p.is_file())
     blend = _generate(blend_llm, [(prompts[0], MAX_TOKENS, 1.0)] + [(p, 1, 0.15) for p in prompts])
     after = sorted(p.name for p in kv_dir.rglob("*") if p.is_file())
-    return {"prompt0_tokens": len(prompts[0]), "plain": plain, "exact": blend[0], "blend": blend[1:],
+    return {"prompt0_tokens": len(prompts[0]), "plain": plain["prompts"], "exact": blend[0], "blend": blend[1:],
             "files": (before, after)}
 
 
@@ -301,14 +306,20 @@ def test_malformed_hints_run_as_plain_vllm(setup, plain, blend_llm):
     there too, not left to fail the load (vLLM's default policy would fail the request)."""
     from vllm import SamplingParams, TokensPrompt
 
-    ids = setup["prompts"][1]
+    ids = setup["short"]
+
+    def ask(params: dict):
+        sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": params})
+        (out,) = blend_llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
+        return out
+
+    assert ask({"recompute_ratio": 0.15}).kv_transfer_params["cacheblend"]["chunks"] == 1  # well-formed: blended
     bad = [{"chunks": [[0, float("inf")]]}, {"chunks": [[1, len(ids)]]}, {"check_layers": [99]},
            {"deviation": "q"}, {"cacheblend": "release", "ids": ["x"]}, {"recompute_ratio": 0.15, "ratio": 0.2}]
     for params in bad:
-        sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": params})
-        (out,) = blend_llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
+        out = ask(params)
         assert out.kv_transfer_params["cacheblend"]["chunks"] == 0, params
-        assert out.outputs[0].token_ids[0] == plain[1][0][0] and out.num_cached_tokens == 0, params
+        assert out.outputs[0].token_ids[0] == plain["short"][0][0] and out.num_cached_tokens == 0, params
 
 
 def test_fidelity_receipt_and_guard_in_the_marker(setup, plain, blend_llm):
@@ -317,7 +328,7 @@ def test_fidelity_receipt_and_guard_in_the_marker(setup, plain, blend_llm):
     guard at risk limit 0 escalates to exact prefill and gives plain vLLM's token."""
     from vllm import SamplingParams, TokensPrompt
 
-    ids = setup["prompts"][1]
+    ids = setup["short"]
 
     def ask(params: dict, max_tokens: int = 1) -> tuple[int, dict]:
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args={"kv_transfer_params": params})
@@ -334,7 +345,7 @@ def test_fidelity_receipt_and_guard_in_the_marker(setup, plain, blend_llm):
     assert 0 < receipt["exposure"] < 1 and not receipt["escalated"] and not receipt["exact"]
     token, receipt = ask({"recompute_ratio": "guard", "max_risk": 0.0})
     assert receipt["escalated"] and receipt["exact"] and receipt["ratio_used"] == 1.0
-    assert receipt["exposure"] == 0.0 and token == plain[1][0][0]
+    assert receipt["exposure"] == 0.0 and token == plain["short"][0][0]
 
 
 def test_an_entry_without_a_hint_gets_one_from_the_worker(setup, outputs, blend_llm, redis_server):
