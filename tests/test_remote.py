@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -361,23 +362,39 @@ def test_bad_kv_transfer_params_get_400_and_the_server_stays_up(server, remote, 
         assert r.status == 200
 
 
-def test_a_server_without_the_connector_is_refused(tmp_path, default_model_dir, server):
+@pytest.fixture(scope="module")
+def side_servers(tmp_path_factory, default_model_dir, server):
+    """Plain vLLM, and a server with the connector on the BOS chunk sink, started together:
+    a start is mostly imports, on one core each."""
+    root = tmp_path_factory.mktemp("side_servers")
+    plain = VLLMServer(str(default_model_dir), None, python=str(VLLM_PYTHON), log_path=root / "plain.log")
+    bos = VLLMServer(str(default_model_dir), kv_transfer_config(f"disk:{root / 'kv'}", chunk_sink="bos"),
+                     python=str(VLLM_PYTHON), log_path=root / "bos.log")
+    bos.root = root
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda srv: srv.start(), (plain, bos)))
+        yield {"plain": plain, "bos": bos}
+    finally:
+        plain.stop()
+        bos.stop()
+
+
+def test_a_server_without_the_connector_is_refused(side_servers):
     """Plain vLLM would ignore the chunk spans and answer with full prefill: the client
     says so at connection time instead."""
-    with VLLMServer(str(default_model_dir), None, python=str(VLLM_PYTHON), log_path=tmp_path / "plain.log") as plain:
-        with pytest.raises(CacheBlendError, match="does not run CacheBlendConnector"):
-            RemoteEngine(plain.base_url)
+    with pytest.raises(CacheBlendError, match="does not run CacheBlendConnector"):
+        RemoteEngine(side_servers["plain"].base_url)
 
 
-def test_the_client_ingests_behind_the_servers_chunk_sink(tmp_path, default_model_dir, server):
+def test_the_client_ingests_behind_the_servers_chunk_sink(default_model_dir, server, side_servers):
     """A server set to another chunk sink than the model family's: the client learns it at
     its ping and ingests behind it, so the server stores the chunk (it refuses chunks behind
     any other sink) under the key a core engine with that sink computes."""
     text = "Chunk sink test passage: the Quux canal joins the Corge river below Grault."
-    config = kv_transfer_config(f"disk:{tmp_path / 'kv'}", chunk_sink="bos")
-    with VLLMServer(str(default_model_dir), config, python=str(VLLM_PYTHON), log_path=tmp_path / "bos.log") as srv:
-        engine = RemoteEngine(srv.base_url)
-        assert engine.chunk_sink == "bos" and RemoteEngine.shared(server.base_url).chunk_sink == "frame"
-        engine.ingest([text])
+    srv = side_servers["bos"]
+    engine = RemoteEngine(srv.base_url)
+    assert engine.chunk_sink == "bos" and RemoteEngine.shared(server.base_url).chunk_sink == "frame"
+    engine.ingest([text])
     core = Engine.load(default_model_dir, store="memory", chunk_sink="bos")
-    assert open_store(f"disk:{tmp_path / 'kv'}").open(core.handle(text).key) is not None
+    assert open_store(f"disk:{srv.root / 'kv'}").open(core.handle(text).key) is not None
