@@ -70,6 +70,10 @@ SELECTION = {"check_layers": [1], "deviation": "v", "gradual": False, "selection
     ({"prefix": True}, "prefix must be the number"),
     ({"prefix": 6, "chunks": [[5, 9]]}, "prefix of 6 tokens reaches into the first chunk, which starts at token 5"),
     ({"cacheblend": "ping", "prefix": 5}, r"\['prefix'\] do not go with cacheblend='ping'"),
+    ({"receipt": "../../etc/passwd0000"}, "receipt must be a tag of 16 to 64 letters, digits"),
+    ({"receipt": "short"}, "receipt must be a tag"),
+    ({"receipt": 12345678901234567890}, "receipt must be a tag"),
+    ({"cacheblend": "ping", "receipt": "a" * 32}, r"\['receipt'\] do not go with cacheblend='ping'"),
     ({"ratio": 0.2}, r"unknown fields \['ratio'\]; CacheBlendConnector reads chunks, prefix, cacheblend"),
     ({"temperature": 0.5}, r"unknown fields \['temperature'\]"),
     ([["chunks"]], "must be a JSON object, got list"),
@@ -89,6 +93,8 @@ def test_a_bad_field_is_named(params, match):
     {"method": "blend", "chunks": [[1, 4], [4, 9]], "recompute_ratio": 0.15, **SELECTION},
     {"method": "blend", "prefix": 40}, {"prefix": 40, "chunks": []},  # a chunkless chat's system instruction
     {"prefix": 3, "chunks": [[5, 9]]}, {"prefix": 5, "chunks": [[5, 9]]},  # a chat's system turn, then its lead
+    {"chunks": [[1, 4]], "receipt": "0123456789abcdef0123456789abcdef"},  # a streamed request's tag
+    {"method": "full", "receipt": "Ab-_" * 16},
     # vLLM's own keys pass
     {"prompt_token_ids": [1, 2], "do_remote_prefill": False, "do_remote_decode": True, "remote_host": "h"},
     {"cacheblend": "ping", "remote_engine_id": "x"},
@@ -111,6 +117,8 @@ def test_parsed_hints_are_what_the_connector_uses():
     assert (prefix.prefix, prefix.chunks, prefix.blends) == (40, (), True)  # the registry is not searched
     lead = parse_kv_params({"prefix": 3, "chunks": [[5, 9]]})
     assert (lead.prefix, lead.chunks) == (3, ((5, 9),))  # tokens 3 and 4 are the lead, computed
+    assert parse_kv_params({"prefix": 3, "receipt": "t" * 16}).receipt == "t" * 16
+    assert parse_kv_params({"chunks": [[1, 4]], "receipt": "t" * 16}).receipt == "t" * 16
 
 
 def test_the_servers_defaults_are_the_base():

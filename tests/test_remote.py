@@ -105,7 +105,7 @@ def test_remote_engine_blends_and_ratio_one_is_vllms_full_prefill(server, remote
     assert blend.usage["approximate_tokens"] == load["fidelity"]["approximate_tokens"] > 0
     assert blend.usage["cached_tokens"] == load["fidelity"]["exact_cached_tokens"] > 0 and load["prefix_cached"]
     assert load["reused"] == blend.usage["approximate_tokens"] + blend.usage["cached_tokens"]
-    assert not blend.stats.exact and exact.stats.exact and load["fidelity"]["risk"] > 0
+    assert not blend.stats.exact and exact.stats.exact and blend.stats.risk == load["fidelity"]["risk"] > 0
     assert blend.usage["prompt_tokens"] == full.usage["prompt_tokens"] == load["prompt_tokens"]
     assert blend_text.split()[:1] == full_text.split()[:1]  # this example's first word survives blending
     assert 0 < blend.ttft_s and blend.finish_reason == "length"
@@ -119,6 +119,10 @@ def test_remote_engine_blends_and_ratio_one_is_vllms_full_prefill(server, remote
     load = stats(server)[-1]
     assert load["op"] == "load" and load["fidelity"]["exact"] and one.result.stats.exact
     assert one.result.usage["approximate_tokens"] == load["fidelity"]["approximate_tokens"] == 0
+    # the streamed answer's receipt is the worker's, fetched after the stream: an escalation shows
+    _, guarded = answer(remote, example, recompute_ratio="guard", max_risk=0.0)
+    assert guarded.stats.escalated and guarded.stats.exact and guarded.stats.ratio_used == 1.0
+    assert guarded.usage["approximate_tokens"] == stats(server)[-1]["fidelity"]["approximate_tokens"] == 0
 
 
 def test_a_chat_without_passages_reads_its_system_instruction_exactly(server, remote, example):
@@ -198,8 +202,7 @@ def test_remote_engine_start_generate_and_stream(server, remote, example):
     """The backend protocol's prompt-building calls, as on the in-process engine."""
     q, chunks = example.question, example.passages
     exact = remote.generate(q, chunks, recompute_ratio=1.0, max_new_tokens=8)
-    full = remote.generate(q, chunks, method="full", max_new_tokens=8)
-    assert exact.text == full.text
+    assert exact.text == remote.generate(q, chunks, method="full", max_new_tokens=8).text
     run = remote.start(q, chunks, max_new_tokens=8, system="Answer briefly.")
     text = "".join(run.pieces)
     assert run.result is not None and run.result.stats.chunks == len(chunks) and text
@@ -317,9 +320,8 @@ def test_bad_input_and_bad_servers_are_named(server, remote, example):
         remote.start_chat(messages(example), recompute_ratio=1.5)
     with pytest.raises(CacheBlendError, match="message 0"):
         remote.start_chat([{"role": "robot", "content": "hi"}])
-    long = [{"role": "user", "content": "word " * 9000}]
     with pytest.raises(CacheBlendError, match="does not fit the server's context"):
-        remote.start_chat(long)
+        remote.start_chat([{"role": "user", "content": "word " * 9000}])
 
 
 def post(server, path: str, body: bytes) -> tuple[int, dict]:
@@ -381,8 +383,7 @@ def side_servers(tmp_path_factory, default_model_dir, server):
 
 
 def test_a_server_without_the_connector_is_refused(side_servers):
-    """Plain vLLM would ignore the chunk spans and answer with full prefill: the client
-    says so at connection time instead."""
+    """Plain vLLM would ignore the chunk spans (full prefill): the client refuses it when it connects."""
     with pytest.raises(CacheBlendError, match="does not run CacheBlendConnector"):
         RemoteEngine(side_servers["plain"].base_url)
 
@@ -392,8 +393,7 @@ def test_the_client_ingests_behind_the_servers_chunk_sink(default_model_dir, ser
     its ping and ingests behind it, so the server stores the chunk (it refuses chunks behind
     any other sink) under the key a core engine with that sink computes."""
     text = "Chunk sink test passage: the Quux canal joins the Corge river below Grault."
-    srv = side_servers["bos"]
-    engine = RemoteEngine(srv.base_url)
+    engine = RemoteEngine((srv := side_servers["bos"]).base_url)
     assert engine.chunk_sink == "bos" and RemoteEngine.shared(server.base_url).chunk_sink == "frame"
     engine.ingest([text])
     core = Engine.load(default_model_dir, store="memory", chunk_sink="bos")

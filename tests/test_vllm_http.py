@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from cacheblend.integrations.vllm_http import KVParamsGuard
+from cacheblend.integrations.vllm_receipts import RECEIPT_ROUTE, ReceiptBox, receipt_dir
 from cacheblend.integrations.vllm_server import VLLMServer, kv_transfer_config
 
 
@@ -141,9 +144,11 @@ def test_a_client_gone_mid_body_reaches_vllm_as_it_came():
     assert [m["type"] for m in seen] == ["http.request", "http.disconnect"] and seen[0]["more_body"]
 
 
-def vllm_state(connector: str | None, layers: int = 30, extra: dict | None = None) -> SimpleNamespace:
+def vllm_state(connector: str | None, layers: int = 30, extra: dict | None = None,
+               engine_id: str | None = None) -> SimpleNamespace:
     """What vLLM keeps in ``app.state``: the parts the guard reads."""
-    kv = None if connector is None else SimpleNamespace(kv_connector=connector, kv_connector_extra_config=extra or {})
+    kv = None if connector is None else SimpleNamespace(kv_connector=connector, kv_connector_extra_config=extra or {},
+                                                        engine_id=engine_id)
     model = SimpleNamespace(get_total_num_hidden_layers=lambda: layers)
     return SimpleNamespace(state=SimpleNamespace(vllm_config=SimpleNamespace(kv_transfer_config=kv,
                                                                                model_config=model)))
@@ -210,3 +215,55 @@ def test_a_server_does_not_start_on_a_port_something_listens_on():
         with pytest.raises(RuntimeError, match="in use"):
             server.start(timeout=5)
         assert server.proc is None
+
+
+def test_a_streamed_requests_receipt_is_served_once_and_only_its_own():
+    """vLLM streams no ``kv_transfer_params`` back: the connector keeps a tagged request's
+    marker in the server's receipt folder, and the guard answers ``GET`` for it, once."""
+    engine_id = f"test-{os.getpid()}-receipts"
+    box = ReceiptBox(receipt_dir(engine_id))
+    try:
+        tag = "0123456789abcdef" * 2
+        box.put(tag, {"cacheblend": {"fidelity": {"escalated": True}}})
+        app = vllm_state("CacheBlendConnector", engine_id=engine_id)
+        status, answer, _ = call(KVParamsGuard(FakeApp()), b"", method="GET", path=RECEIPT_ROUTE + tag, app=app)
+        assert status == 200 and json.loads(answer) == {"cacheblend": {"fidelity": {"escalated": True}}}
+        status, answer, _ = call(KVParamsGuard(FakeApp()), b"", method="GET", path=RECEIPT_ROUTE + tag, app=app)
+        assert status == 404 and json.loads(answer)["error"]["type"] == "NotFoundError"  # once
+        box.put(tag, {"cacheblend": {}})
+        for path in (RECEIPT_ROUTE + "..%2F" + tag, RECEIPT_ROUTE + "../" + tag, RECEIPT_ROUTE):
+            assert call(KVParamsGuard(FakeApp()), b"", method="GET", path=path, app=app)[0] == 404
+        other = vllm_state("NixlConnector", engine_id=engine_id)  # not our connector: nothing served
+        assert call(KVParamsGuard(FakeApp()), b"", method="GET", path=RECEIPT_ROUTE + tag, app=other)[0] == 404
+        app = FakeApp()  # every other GET reaches vLLM
+        assert call(KVParamsGuard(app), b"", method="GET", path="/v1/models")[0] == 200 and len(app.calls) == 1
+
+        async def lifespan(scope, receive, send):
+            await send({"type": "lifespan.startup.complete"})
+            del scope["app"].state  # as vLLM's lifespan does when it ends
+            await send({"type": "lifespan.shutdown.complete"})
+
+        async def ignore(message):
+            return None
+
+        scope = {"type": "lifespan", "app": vllm_state("CacheBlendConnector", engine_id=engine_id)}
+        asyncio.run(KVParamsGuard(lifespan)(scope, None, ignore))
+        assert not receipt_dir(engine_id).exists()  # the server stopped: its receipts went with it
+    finally:
+        box.close()
+
+
+def test_the_receipt_box_never_raises_and_forgets_what_nobody_fetched(tmp_path, caplog):
+    box = ReceiptBox(tmp_path / "box", ttl_s=60)
+    box.put("x" * 16, {"cacheblend": {}})
+    box.put("y" * 16, {"cacheblend": {}})
+    old = time.time() - 120
+    os.utime(tmp_path / "box" / f"{'x' * 16}.json", (old, old))
+    assert box.prune() == 1 and box.take("x" * 16) is None and box.take("y" * 16) == {"cacheblend": {}}
+    box.put("../../escape-here", {})  # not a tag: never a file name
+    box.put("z" * 16, {"not json": object()})  # cannot be written: logged, not raised
+    (tmp_path / "file").write_text("")
+    blocked = ReceiptBox(tmp_path / "file" / "box")  # a folder that cannot be made
+    blocked.put("w" * 16, {})
+    assert blocked.take("w" * 16) is None and sorted(p.name for p in tmp_path.iterdir()) == ["box", "file"]
+    assert list((tmp_path / "box").iterdir()) == [] and "could not keep the receipt" in caplog.text

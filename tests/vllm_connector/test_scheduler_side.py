@@ -14,14 +14,16 @@ pytest.importorskip("vllm")
 
 from cacheblend.config import ConnectorConfig  # noqa: E402
 from cacheblend.integrations.registry import ChunkMatcher, register_passages  # noqa: E402
+from cacheblend.integrations.vllm_receipts import ReceiptBox  # noqa: E402
 from cacheblend.integrations.vllm_scheduler import SchedulerSide  # noqa: E402
 from cacheblend.prompt import PromptBuilder  # noqa: E402
 from conftest import PASSAGES  # noqa: E402
 
 
-def _side(model_dir, **extra) -> SchedulerSide:
+def _side(model_dir, receipts: ReceiptBox | None = None, **extra) -> SchedulerSide:
     return SchedulerSide(ConnectorConfig.parse({"store": "memory", **extra}), model_dir=str(model_dir),
-                         block_size=16, num_layers=30, chunk_sink="frame", connector="CacheBlendConnector")
+                         block_size=16, num_layers=30, chunk_sink="frame", connector="CacheBlendConnector",
+                         receipts=receipts)
 
 
 def _request(req_id: str, ids: list[int], params: dict | None = None, **kw) -> SimpleNamespace:
@@ -45,6 +47,30 @@ def test_a_receipt_for_a_request_that_finished_already_is_not_kept(default_model
     side.take_receipts({"r1": {"exact": False}})
     assert marker is not None and marker["cacheblend"]["fidelity"] == {"exact": False}  # completed in place
     assert side.live_requests() == 0
+
+
+def test_a_streamed_requests_marker_waits_for_its_client_with_the_workers_receipt(default_model_dir, tmp_path):
+    """vLLM streams no kv_transfer_params back: a request tagged ``receipt`` has the marker
+    it would have carried kept for the guard to serve, with the worker's receipt, also when
+    that receipt comes after ``request_finished`` (a one-token answer)."""
+    box = ReceiptBox(tmp_path / "receipts")
+    side = _side(default_model_dir, receipts=box)
+    one, two = "1" * 32, "2" * 32
+    short = _request("s1", list(range(100)), {"chunks": [[10, 50]], "receipt": one})
+    assert side.loaded_tokens(short, 0) == 99
+    marker = side.finished(short)
+    assert marker is not None and marker["cacheblend"]["receipts"] is True and box.take(one) is None  # not yet
+    side.take_receipts({"s1": {"exact": False, "escalated": True}})
+    assert box.take(one) == marker and marker["cacheblend"]["fidelity"]["escalated"] is True
+    long = _request("s2", list(range(100)), {"chunks": [[10, 50]], "receipt": two})
+    side.loaded_tokens(long, 0)
+    side.take_receipts({"s2": {"exact": True}})  # blended, then decoding: the receipt came first
+    assert side.finished(long) == box.take(two) and box.take(two) is None
+    side.finished(_request("s3", list(range(100)), {"chunks": [[10, 50]]}))  # untagged: nothing kept
+    side.take_receipts({})
+    assert list(box.folder.iterdir()) == [] and side.live_requests() == 0
+    plain = _side(default_model_dir).finished(_request("s4", list(range(100)), {"receipt": one}))
+    assert plain is not None and plain["cacheblend"]["receipts"] is False  # RemoteEngine then tags nothing
 
 
 def test_a_chunkless_prompt_with_a_prefix_has_it_loaded_from_the_prefix_cache(default_model_dir, caplog):

@@ -18,9 +18,11 @@ folder the server reports as the model's root, or the model id)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
 
@@ -37,14 +39,30 @@ REMOTE_METHODS = ("blend", "reuse", "full")  # "prefix" is vLLM's own prefix cac
 _SHARED: dict[tuple, RemoteEngine] = {}
 _SHARED_LOCK = threading.Lock()
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}
+RECEIPT_FIELDS = ("exact", "ratio_used", "risk", "exposure", "escalated", "exact_cached_tokens", "approximate_tokens")
+
+log = logging.getLogger(__name__)
+
+
+def adopt_receipt(stats: BlendStats, fidelity: dict[str, Any]) -> None:
+    """Replace the receipt of what was asked for with the worker's (a guard escalation, the
+    risk it measured, the tokens it read exactly); the prompt's cached and computed shares
+    follow from it."""
+    span = stats.reused_tokens + stats.recomputed_tokens  # chunks and prefix: loaded or recomputed
+    for name in RECEIPT_FIELDS:
+        if name in fidelity:
+            setattr(stats, name, fidelity[name])
+    stats.reused_tokens = int(stats.exact_cached_tokens) + int(stats.approximate_tokens)
+    stats.recomputed_tokens = max(0, span - stats.reused_tokens)
 
 
 class RemoteGeneration:
     """One streamed answer: iterate ``pieces`` for text, then read ``result``."""
 
     def __init__(self, stream_fn: Callable[[], Any], stats: BlendStats, t0: float,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, receipt: Callable[[], dict | None] | None = None) -> None:
         self.stats = stats
+        self._receipt = receipt  # fetches the server's receipt once the stream has ended
         self.result: Result | None = None
         self._t0 = t0
         self._deadline = None if timeout is None else t0 + timeout
@@ -70,11 +88,14 @@ class RemoteGeneration:
         finally:
             stream.close()  # an abandoned stream stops decoding on the server
         s = self.stats
+        s.seconds["ttft"] = ttft or 0.0
+        s.seconds["total"] = time.perf_counter() - self._t0  # the answer's, not the receipt's round trip
+        fidelity = self._receipt() if self._receipt is not None else None
+        if fidelity:
+            adopt_receipt(s, fidelity)
         if usage is not None:
             s.prompt_tokens, s.new_tokens = usage.prompt_tokens, usage.completion_tokens
         s.computed_tokens = s.prompt_tokens - s.reused_tokens - s.recomputed_tokens
-        s.seconds["ttft"] = ttft or 0.0
-        s.seconds["total"] = time.perf_counter() - self._t0
         self.result = Result(text=text, token_ids=[], ttft_s=ttft or 0.0, stats=s, finish_reason=finish)
 
 
@@ -124,7 +145,7 @@ class RemoteEngine(Answering):
         self.passages = PassageIndex()
         self.heads = HeadMemory()  # system-message openings seen before: the fixed instruction
         self.config = EngineConfig()
-        self.chunk_sink, self._exact_behind_sink = self._check_connector()
+        self.chunk_sink, self._exact_behind_sink, self._receipts = self._check_connector()
         self._sink = self.prompts.sink_ids(self.chunk_sink)
 
     @classmethod
@@ -148,11 +169,12 @@ class RemoteEngine(Answering):
         answer = (reply.model_extra or {}).get("kv_transfer_params") or {}
         return answer.get("cacheblend") or {}
 
-    def _check_connector(self) -> tuple[str, bool]:
+    def _check_connector(self) -> tuple[str, bool, bool]:
         """Without the connector a vLLM server ignores our parameters and answers with
         full prefill, silently: refuse such a server up front.  Returns the server's chunk
-        sink, which ingestion must use (the connector refuses chunks behind another), and
-        whether the worker reuses a chunk right behind that sink exactly (for the receipt)."""
+        sink, which ingestion must use (the connector refuses chunks behind another),
+        whether the worker reuses a chunk right behind that sink exactly (for the receipt),
+        and whether it keeps streamed requests' receipts for their clients."""
         answer = self._op(self.prompts.sink_ids("bos"), {"cacheblend": "ping"})
         if answer.get("connector") != "CacheBlendConnector":
             raise CacheBlendError(
@@ -161,7 +183,22 @@ class RemoteEngine(Answering):
         sink = answer.get("chunk_sink", "bos")
         if sink not in CHUNK_SINKS:
             raise CacheBlendError(f"the server at {self.base_url} names an unknown chunk sink {sink!r}")
-        return str(sink), answer.get("exact_behind_sink") is True
+        return str(sink), answer.get("exact_behind_sink") is True, answer.get("receipts") is True
+
+    def _fetch_receipt(self, tag: str) -> dict | None:
+        """The worker's receipt of the streamed request tagged ``tag`` (the guard middleware
+        serves it: vllm_receipts.py); None if the server has none to give."""
+        from openai import APIError
+
+        try:
+            answer = self.client.get(f"/cacheblend/receipts/{tag}", cast_to=object,
+                                     options={"max_retries": 0, "timeout": 10.0})
+        except APIError as e:  # a server without the guard (404), or gone: the asked-for receipt stands
+            log.debug("no receipt for %s from %s: %s", tag, self.base_url, e)
+            return None
+        marker = answer.get("cacheblend") if isinstance(answer, dict) else None
+        fidelity = marker.get("fidelity") if isinstance(marker, dict) else None
+        return fidelity if isinstance(fidelity, dict) else None
 
     def ingest(self, texts: Iterable[str] | str) -> list[ChunkHandle]:
         """Have the server compute and store each chunk's KV (vLLM's own, saved by the
@@ -278,8 +315,8 @@ class RemoteEngine(Answering):
                            reused_tokens=chunk_tokens - recomputed + head, recomputed_tokens=recomputed,
                            chunks=len(spans), chunks_learned=learned, exact_cached_tokens=head,
                            approximate_tokens=chunk_tokens - recomputed)
-        # The streamed answer carries no marker: the receipt is what was asked for (the
-        # server's guard may escalate; its own receipt is in non-streamed responses).
+        # The receipt of what was asked for; the worker's replaces it once the stream ends
+        # (where the server keeps receipts: vLLM streams no kv_transfer_params back).
         stats.exact = not chunk_tokens or blend.recompute_ratio >= 1.0
         stats.ratio_used = 1.0 if head and not chunk_tokens else blend.recompute_ratio  # as the worker's
         stats.risk = 0.0 if stats.exact else None
@@ -290,6 +327,9 @@ class RemoteEngine(Answering):
             params |= {"chunks": [list(s) for s in spans], "recompute_ratio": blend.recompute_ratio,
                        **{f: getattr(blend, f) for f in SELECTION_FIELDS}}
             params["check_layers"] = list(blend.check_layers)
+        tag = uuid.uuid4().hex if self._receipts else None
+        if tag:
+            params["receipt"] = tag
 
         def stream():
             return self.client.completions.create(
@@ -300,4 +340,5 @@ class RemoteEngine(Answering):
                 extra_body={"kv_transfer_params": params, "ignore_eos": sampling.ignore_eos},
                 **({"timeout": opts.timeout} if opts.timeout is not None else {}))
 
-        return RemoteGeneration(stream, stats, t0, opts.timeout)
+        return RemoteGeneration(stream, stats, t0, opts.timeout,
+                                receipt=(lambda: self._fetch_receipt(tag)) if tag else None)

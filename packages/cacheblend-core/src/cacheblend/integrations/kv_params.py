@@ -21,6 +21,7 @@ from typing import Any
 
 from ..config import SELECTION_FIELDS, BlendConfig, RequestOptions
 from ..errors import CacheBlendError
+from .vllm_receipts import valid_tag
 
 __all__ = ["CONNECTOR_METHODS", "KNOWN_FIELDS", "OPERATIONS", "KVParams", "check_kv_transfer_params", "fit_prefix",
            "fit_spans", "parse_kv_params"]
@@ -29,7 +30,7 @@ OPERATIONS = ("ingest", "release", "ping")
 CONNECTOR_METHODS = ("blend", "reuse", "full")  # "prefix" is vLLM's prefix caching, off with the connector
 OPTION_FIELDS = ("method", "recompute_ratio", "quality_floor", *SELECTION_FIELDS)
 _OP_FIELDS = {"ingest": "sink", "release": "ids"}  # the field each operation needs
-KNOWN_FIELDS = ("chunks", "prefix", "cacheblend", "sink", "ids", *OPTION_FIELDS)
+KNOWN_FIELDS = ("chunks", "prefix", "cacheblend", "sink", "ids", "receipt", *OPTION_FIELDS)
 # Each span costs a store lookup (and, on a miss, a precompute) inside the step that loads
 # the request, which every other request of the server waits on: a client's thousands of
 # tiny spans would stall the server.  RAG prompts carry tens.
@@ -48,13 +49,15 @@ class KVParams:
     without chunks whose first tokens (a long system instruction) the connector reads
     exactly from the prefix cache; with chunks the prefix is what comes before the first,
     unless ``prefix`` names fewer tokens (a chat's system turn: what follows it up to the
-    first chunk, earlier turns, is computed rather than stored as a prefix)."""
+    first chunk, earlier turns, is computed rather than stored as a prefix).  ``receipt``: the
+    tag a streaming client fetches the request's receipt by (:mod:`.vllm_receipts`)."""
 
     op: str | None = None
     sink: int | None = None
     ids: tuple[int, ...] | None = None
     chunks: tuple[tuple[int, int], ...] | None = None
     prefix: int | None = None
+    receipt: str | None = None
     options: RequestOptions = field(default_factory=RequestOptions)
     blend: BlendConfig = field(default_factory=BlendConfig)
 
@@ -194,9 +197,14 @@ def parse_kv_params(params: Any, *, base: RequestOptions | None = None,
         raise _fail(f"{stray} go only with an operation (cacheblend='ingest' takes sink, 'release' takes ids)")
     options, blend = _options(params, base, num_layers)
     chunks = None if params.get("chunks") is None else _spans(params["chunks"])
+    receipt = params.get("receipt")
+    if receipt is not None and not valid_tag(receipt):
+        raise _fail(f"receipt must be a tag of 16 to 64 letters, digits, '-' or '_' (e.g. a uuid4 hex), "
+                    f"got {receipt!r}")
     if params.get("prefix") is None:
-        return KVParams(chunks=chunks, options=options, blend=blend)
-    return KVParams(chunks=chunks or (), prefix=_prefix(params["prefix"], chunks), options=options, blend=blend)
+        return KVParams(chunks=chunks, receipt=receipt, options=options, blend=blend)
+    return KVParams(chunks=chunks or (), prefix=_prefix(params["prefix"], chunks), receipt=receipt,
+                    options=options, blend=blend)
 
 
 def check_kv_transfer_params(params: Any, *, base: RequestOptions | None = None,

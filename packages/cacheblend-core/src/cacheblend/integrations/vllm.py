@@ -20,7 +20,8 @@ Loaded by ``--kv-transfer-config`` (``cacheblend serve`` writes it; user guide: 
 Per request, ``kv_transfer_params`` may carry ``"chunks"`` (``[start, end)`` token spans),
 any selection option of :class:`~cacheblend.config.RequestOptions` (``method``:
 ``"blend"``, ``"reuse"`` or ``"full"``; ``recompute_ratio``, ``check_layers``,
-``deviation``, ``gradual``, ...), or an operation: ``{"cacheblend": "ingest", "sink": s}``
+``deviation``, ``gradual``, ...), ``"receipt"`` (a tag a streaming client fetches the
+answer's marker by, :mod:`.vllm_receipts`), or an operation: ``{"cacheblend": "ingest", "sink": s}``
 stores vLLM's own K/V of the chunk after ``s`` sink ids; ``{"cacheblend": "release",
 "ids": [...]}`` deletes a chunk's entry; ``{"cacheblend": "ping"}`` asks who is there.
 They are checked by :func:`.kv_params.parse_kv_params`: the OpenAI server answers a bad
@@ -48,6 +49,7 @@ from ..config import ConnectorConfig, chunk_sink_for
 from .paged import paged_views
 from .registry import REDIS_PASSAGES_KEY, ChunkMatcher, read_passages, register_passages
 from .vllm_meta import BlendReceipts, CacheBlendMeta, LayoutReport
+from .vllm_receipts import ReceiptBox, receipt_dir
 from .vllm_scheduler import SchedulerSide
 from .vllm_worker import WorkerSide
 
@@ -72,11 +74,14 @@ class CacheBlendConnector(KVConnectorBase_V1):
         # a chunk right behind the sink is reused exactly unless chunks are stored at another
         # precision (cache/segments.py); the marker says so, for RemoteEngine's receipt
         exact_behind_sink = config.kv_dtype is None or getattr(torch, config.kv_dtype) == model.dtype
+        # streamed answers' receipts, fetched through the API server's guard (vllm_receipts.py)
+        engine_id = getattr(self._kv_transfer_config, "engine_id", None)
+        receipts = ReceiptBox(receipt_dir(engine_id)) if role == KVConnectorRole.SCHEDULER and engine_id else None
         self.scheduler = SchedulerSide(config, model_dir=model.model, block_size=block_size,
                                        num_layers=model.get_total_num_hidden_layers(), chunk_sink=chunk_sink,
                                        connector=type(self).__name__,
                                        prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
-                                       exact_behind_sink=exact_behind_sink)
+                                       exact_behind_sink=exact_behind_sink, receipts=receipts)
         self.worker = WorkerSide(config, model_dir=model.model, dtype=model.dtype, chunk_sink=chunk_sink,
                                  block_size=block_size, vllm_config=vllm_config, kv_cache_config=kv_cache_config)
 
@@ -100,6 +105,11 @@ class CacheBlendConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         self.scheduler.take_receipts(getattr(meta, "receipts", {}))
+
+    def shutdown(self) -> None:
+        """vLLM is stopping: the receipts nobody fetched go with their folder."""
+        if self.scheduler.receipts is not None:
+            self.scheduler.receipts.close()
 
     # ---- worker side ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -14,7 +14,11 @@ It is plain ASGI, not Starlette's ``BaseHTTPMiddleware``: the body is read once,
 to vLLM unchanged, and later ``receive`` calls (client disconnects) and streamed responses
 pass straight through.  Any POST with a JSON body is checked, whatever its path (the
 completions, chat, responses and messages routes all carry ``kv_transfer_params``);
-bodies that are not JSON objects are left to vLLM.  This module does not import vLLM.
+bodies that are not JSON objects are left to vLLM.
+
+It also answers ``GET /v1/cacheblend/receipts/TAG``: the marker of a streamed request that
+carried ``"receipt": TAG`` (vLLM returns ``kv_transfer_params`` in non-streamed responses
+only; :mod:`.vllm_receipts`), once, or HTTP 404.  This module does not import vLLM.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 from ..config import ConnectorConfig, RequestOptions
 from ..errors import CacheBlendError
 from .kv_params import check_kv_transfer_params
+from .vllm_receipts import RECEIPT_ROUTE, ReceiptBox, receipt_dir
 
 __all__ = ["KVParamsGuard", "error_body"]
 
@@ -43,11 +48,13 @@ log = logging.getLogger("vllm.cacheblend")
 @dataclass(frozen=True)
 class _Server:
     """What the guard knows of the server it runs in: whether CacheBlend is its connector,
-    its default options and the model's layer count (None where unknown)."""
+    its default options, the model's layer count (None where unknown) and where the
+    connector keeps streamed requests' receipts."""
 
     active: bool = True
     base: RequestOptions | None = None
     num_layers: int | None = None
+    receipts: ReceiptBox | None = None
 
 
 def _server(scope: Scope) -> _Server:
@@ -67,13 +74,21 @@ def _server(scope: Scope) -> _Server:
         num_layers: int | None = int(config.model_config.get_total_num_hidden_layers())
     except Exception:  # noqa: BLE001 - an unknown model layout: check_layers is then checked by the worker
         num_layers = None
-    return _Server(base=base, num_layers=num_layers)
+    engine_id = getattr(kv, "engine_id", None)
+    return _Server(base=base, num_layers=num_layers, receipts=ReceiptBox(receipt_dir(engine_id)) if engine_id else None)
 
 
-def error_body(message: str) -> bytes:
-    """vLLM's own error shape (``ErrorResponse``), which OpenAI clients raise as ``BadRequestError``."""
-    return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": "kv_transfer_params",
-                                 "code": 400}}).encode()
+def error_body(message: str, *, kind: str = "BadRequestError", code: int = 400,
+               param: str | None = "kv_transfer_params") -> bytes:
+    """vLLM's own error shape (``ErrorResponse``), which OpenAI clients raise as ``BadRequestError``
+    (or ``NotFoundError`` for ``kind="NotFoundError", code=404``)."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
+
+
+async def _answer(send: Send, status: int, payload: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _is_json(scope: Scope) -> bool:
@@ -134,6 +149,13 @@ class KVParamsGuard:
         self._server_info: _Server | None = None  # read from the app on the first request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, self._clearing_receipts(scope, send))
+            return
+        receipt = scope["type"] == "http" and scope.get("method") == "GET"
+        if receipt and str(scope.get("path")).startswith(RECEIPT_ROUTE):
+            await self._receipt(scope, send)
+            return
         if scope["type"] != "http" or scope.get("method") != "POST" or not _is_json(scope):
             await self.app(scope, receive, send)
             return
@@ -148,8 +170,33 @@ class KVParamsGuard:
             await self.app(scope, _replay(messages, receive), send)
             return
         log.info("CacheBlend: HTTP 400 for %s %s: %s", scope.get("method"), scope.get("path"), problem)
-        payload = error_body(problem)
-        await send({"type": "http.response.start", "status": 400,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
+        await _answer(send, 400, error_body(problem))
+
+    def _clearing_receipts(self, scope: Scope, send: Send) -> Send:
+        """The lifespan's ``send``: it reads the server's settings once started, and removes
+        the receipt folder once shut down (vLLM kills its engine core, whose connector cannot;
+        and it has deleted ``app.state`` by then)."""
+
+        async def sending(message: Message) -> None:
+            if message.get("type") == "lifespan.startup.complete" and self._server_info is None:
+                self._server_info = _server(scope)
+            if message.get("type") == "lifespan.shutdown.complete" and self._server_info is not None:
+                if self._server_info.receipts is not None:
+                    self._server_info.receipts.close()
+            await send(message)
+
+        return sending
+
+    async def _receipt(self, scope: Scope, send: Send) -> None:
+        """The marker kept for a streamed request's tag, once; 404 if there is none (not
+        tagged, fetched already, older than the TTL, or a server without the connector)."""
+        if self._server_info is None:
+            self._server_info = _server(scope)
+        tag = str(scope["path"])[len(RECEIPT_ROUTE):]
+        box = self._server_info.receipts if self._server_info.active else None
+        marker = box.take(tag) if box is not None else None
+        if marker is None:
+            await _answer(send, 404, error_body(f"no CacheBlend receipt {tag!r} on this server", kind="NotFoundError",
+                                                code=404, param=None))
+            return
+        await _answer(send, 200, json.dumps(marker).encode())

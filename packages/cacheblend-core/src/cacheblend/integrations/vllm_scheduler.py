@@ -21,6 +21,7 @@ from ..store.spec import split_spec
 from .kv_params import KVParams, fit_prefix, fit_spans, parse_kv_params
 from .registry import ChunkMatcher
 from .vllm_meta import BlendLoad, CacheBlendMeta, ChunkSave, LayoutReport, request_params
+from .vllm_receipts import ReceiptBox
 
 log = logging.getLogger("vllm.cacheblend")  # under "vllm", so vLLM's log handler shows it
 
@@ -30,7 +31,7 @@ class SchedulerSide:
 
     def __init__(self, config: ConnectorConfig, *, model_dir: str, block_size: int, num_layers: int,
                  chunk_sink: str, connector: str, prefix_caching: bool = False,
-                 exact_behind_sink: bool = True) -> None:
+                 exact_behind_sink: bool = True, receipts: ReceiptBox | None = None) -> None:
         self.config = config
         self.model_dir = model_dir
         self.min_tokens = config.min_tokens if config.min_tokens is not None else 2 * block_size
@@ -38,6 +39,7 @@ class SchedulerSide:
         self.chunk_sink = chunk_sink  # every answer's marker names it (a RemoteEngine adopts it)
         self.exact_behind_sink = exact_behind_sink  # and whether a chunk right behind it is reused exactly
         self.connector = connector  # the class name clients look for in the marker
+        self.receipts = receipts  # where a streamed request's marker waits for its client
         self._matcher: ChunkMatcher | None = None
         self._spans: dict[str, list[tuple[int, int]]] = {}  # req_id -> matched spans (a pure cache)
         self._prefixes: dict[str, int] = {}  # req_id -> a chunkless prompt's prefix read from the prefix cache
@@ -46,7 +48,8 @@ class SchedulerSide:
         self._prefilling: dict[str, ChunkSave] = {}  # ingest requests vLLM prefills over several steps
         self._hints: dict[str, KVParams | None] = {}  # req_id -> its checked hints (None: invalid)
         self._receipts: dict[str, dict] = {}  # req_id -> fidelity receipt from the worker
-        self._awaiting: dict[str, dict] = {}  # req_id -> marker returned before its receipt came
+        # req_id -> marker returned before its receipt came, and the request's receipt tag
+        self._awaiting: dict[str, tuple[dict, str | None]] = {}
         self.blending_off: str | None = None  # why, when a worker's layout self-check failed
         if prefix_caching:  # vLLM would keep blended blocks in its prefix cache and reuse them as exact
             self.blending_off = "vLLM's prefix caching is on (start vLLM with enable_prefix_caching=False)"
@@ -203,15 +206,24 @@ class SchedulerSide:
         self._pending.pop(request.request_id, None)
         self._ops.pop(request.request_id, None)
         self._prefilling.pop(request.request_id, None)
-        self._hints.pop(request.request_id, None)
+        hints = self._hints.pop(request.request_id, None)
+        tag = hints.receipt if hints is not None else None
         receipt = self._receipts.pop(request.request_id, None)
         if not request_params(request):
             return None
         marker = {"connector": self.connector, "chunk_sink": self.chunk_sink,
-                  "exact_behind_sink": self.exact_behind_sink, "chunks": len(spans), "fidelity": receipt}
+                  "exact_behind_sink": self.exact_behind_sink, "receipts": self.receipts is not None,
+                  "chunks": len(spans), "fidelity": receipt}
         if receipt is None and (spans or prefix):  # blended in this very step: vLLM reads the receipt after this
-            self._awaiting[request.request_id] = marker
+            self._awaiting[request.request_id] = (marker, tag)
+        else:
+            self._keep(tag, marker)
         return {"cacheblend": marker}
+
+    def _keep(self, tag: str | None, marker: dict) -> None:
+        """A streamed request's marker, for its client to fetch (:mod:`.vllm_receipts`)."""
+        if tag is not None and self.receipts is not None:
+            self.receipts.put(tag, {"cacheblend": marker})
 
     def live_requests(self) -> int:
         """How many requests this side holds state for: every table is emptied as its
@@ -226,12 +238,16 @@ class SchedulerSide:
         so a marker already returned is completed in place (it is sent after this call)."""
         for req_id, receipt in receipts.items():
             if req_id in self._awaiting:
-                self._awaiting.pop(req_id)["fidelity"] = receipt
+                marker, tag = self._awaiting.pop(req_id)
+                marker["fidelity"] = receipt
+                self._keep(tag, marker)
             elif req_id in self._hints:  # still running: kept until it finishes
                 self._receipts[req_id] = receipt
             # else finished already, without a marker to fill (no kv_transfer_params): dropped,
             # where it used to stay in _receipts for good
-        self._awaiting.clear()  # a receipt comes in the step that blended it, or never
+        for marker, tag in self._awaiting.values():  # a receipt comes in the step that blended it, or never
+            self._keep(tag, marker)
+        self._awaiting.clear()
 
 
 def _every_position(request: Any) -> bool:
