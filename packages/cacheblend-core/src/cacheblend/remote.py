@@ -31,6 +31,7 @@ from .cache.keys import chunk_key
 from .chat import HeadMemory, chunk_spans, plan_chat
 from .config import CHUNK_SINKS, METHODS, SELECTION_FIELDS, EngineConfig, RequestOptions
 from .errors import CacheBlendError
+from .integrations.vllm_server import GUARD_MIDDLEWARE
 from .passages import PassageIndex
 from .prompt import PromptBuilder, PromptIds
 from .results import BlendStats, ChunkHandle, Result
@@ -188,12 +189,19 @@ class RemoteEngine(Answering):
     def _fetch_receipt(self, tag: str) -> dict | None:
         """The worker's receipt of the streamed request tagged ``tag`` (the guard middleware
         serves it: vllm_receipts.py); None if the server has none to give."""
-        from openai import APIError
+        from openai import APIError, NotFoundError
 
         try:
             answer = self.client.get(f"/cacheblend/receipts/{tag}", cast_to=object,
                                      options={"max_retries": 0, "timeout": 10.0})
-        except APIError as e:  # a server without the guard (404), or gone: the asked-for receipt stands
+        except NotFoundError:
+            # A finished stream's receipt is always kept, so the server runs without the
+            # guard middleware that serves it (or cannot write it): stop tagging requests.
+            log.info("%s keeps no receipts for streamed answers (vLLM started without --middleware %s?); "
+                     "answers carry the receipt of what was asked for", self.base_url, GUARD_MIDDLEWARE)
+            self._receipts = False
+            return None
+        except APIError as e:  # gone, or a timeout: the asked-for receipt stands
             log.debug("no receipt for %s from %s: %s", tag, self.base_url, e)
             return None
         marker = answer.get("cacheblend") if isinstance(answer, dict) else None
