@@ -4,7 +4,8 @@ Starts the server (vLLM's venv, loopback, a temp disk store), has *vLLM* compute
 the KV of 6 musique dev passages (``llm.ingest``), then asks the question with those
 passages as documents twice, with vLLM's full prefill (``method="full"``) and with
 CacheBlend, and prints one JSON line with both TTFTs (time to the first streamed token,
-measured by the client over HTTP).  Run from the main venv (it has LangChain):
+measured by the client over HTTP) and the worker's fidelity receipt of the blended answer.
+Run from the main venv (it has LangChain):
 
     make vllm && HF_HUB_OFFLINE=1 .venv/bin/python examples/vllm_serve.py
 """
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
               "same_first_word": full.content.split()[:1] == blend.content.split()[:1],
               "cache_read_tokens": blend.usage_metadata["input_token_details"]["cache_read"],
               "worker": {k: worker[k] for k in ("store_hits", "store_misses", "reused", "recomputed", "blend_s")},
+              "fidelity": meta["cacheblend"]["fidelity"],  # the worker's receipt, fetched after the stream
               "answer": blend.content, "gold": ex.answers}
     print(json.dumps(result), flush=True)
     return result
