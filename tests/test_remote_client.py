@@ -106,6 +106,7 @@ def test_a_server_without_the_receipt_route_gets_no_more_tagged_requests(default
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         engine = RemoteEngine(f"http://127.0.0.1:{server.server_address[1]}/v1", max_retries=0)
+        "".join(engine.start_chat([{"role": "user", "content": "Hi?"}], method="full", max_new_tokens=1).pieces)
         for _ in range(2):
             gen = engine.start_chat([{"role": "user", "content": "Where is Vienna?"}], learn=False, max_new_tokens=1,
                                     documents=["Vienna is the capital of Austria, on the Danube."])
@@ -113,4 +114,5 @@ def test_a_server_without_the_receipt_route_gets_no_more_tagged_requests(default
     finally:
         server.shutdown()
         server.server_close()
-    assert len(sent[1]["receipt"]) == 32 and "receipt" not in sent[2]  # tagged once, then not
+    assert "receipt" not in sent[1]  # full prefill: nothing loaded, the asked-for receipt is exact
+    assert len(sent[2]["receipt"]) == 32 and "receipt" not in sent[3]  # tagged once, then not

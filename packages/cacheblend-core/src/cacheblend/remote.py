@@ -335,7 +335,8 @@ class RemoteEngine(Answering):
             params |= {"chunks": [list(s) for s in spans], "recompute_ratio": blend.recompute_ratio,
                        **{f: getattr(blend, f) for f in SELECTION_FIELDS}}
             params["check_layers"] = list(blend.check_layers)
-        tag = uuid.uuid4().hex if self._receipts else None
+        # the worker's receipt, where it loads anything (else what was asked for is exact)
+        tag = uuid.uuid4().hex if self._receipts and (spans or "prefix" in params) else None
         if tag:
             params["receipt"] = tag
 
