@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -356,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if run.mounted:
             subprocess.run(["umount", "-l", str(run.disk)], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)  # the run's stores and logs: it used to stay in the temp folder
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

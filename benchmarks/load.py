@@ -25,7 +25,8 @@ idle TTFT.  For each mode and rate the run reports TTFT p50/p90, end-to-end late
 p50/p90 and completed requests per minute (completed / time from the first request to the
 last answer).  The target check: the rate where plain vLLM's p90 TTFT first reaches twice
 its idle p90, and the most requests per minute each mode completes with its p90 TTFT under
-that bound.  Writes ``load.json`` and ``ttft_vs_rate.png`` into ``--out``.  Loopback only.
+that bound.  Writes ``load.json`` and ``ttft_vs_rate.png`` into ``--out``, with each server's
+log and the connector's stats.  Loopback only.
 """
 
 from __future__ import annotations
@@ -208,6 +209,8 @@ def idle(client: Client, requests: list[Request], n: int) -> dict:
 
 
 def server_for(kind: str, model: str, args: argparse.Namespace, work: Path) -> VLLMServer:
+    """The server for ``kind``: its chunk store and passage registry in ``work`` (removed
+    after the run), its log and the connector's stats in ``--out``."""
     vargs: tuple[str, ...] = ("--max-num-seqs", str(args.max_seqs))
     connector = None
     if kind == "prefix":
@@ -216,9 +219,9 @@ def server_for(kind: str, model: str, args: argparse.Namespace, work: Path) -> V
         vargs += ("--no-enable-prefix-caching",)
     else:
         connector = kv_transfer_config(f"memory,disk:{work / 'kv'}", passages=str(work / "passages.jsonl"),
-                                       stats=str(work / "stats.jsonl"))
+                                       stats=str(args.out / "stats.jsonl"))
     return VLLMServer(model, connector, python=str(vllm_python(args.vllm_python)), args=vargs,
-                      log_path=work / f"vllm-{kind}.log")
+                      log_path=args.out / f"vllm-{kind}.log")
 
 
 def run_mode(mode: str, client: Client, pool: list[str], requests: list[Request],
@@ -296,16 +299,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
     model = str(resolve_model_dir(args.model))
     pool, requests = workload(args)
-    work = Path(tempfile.mkdtemp(prefix="cacheblend-load-"))
-    register_passages(work / "passages.jsonl", pool)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for old in [args.out / "stats.jsonl", *args.out.glob("vllm-*.log")]:  # appended to by the servers
+        old.unlink(missing_ok=True)
     report: dict = {"command": "benchmarks/load.py " + " ".join(sys.argv[1:] if argv is None else argv),
                     "model": model, "pool_passages": len(pool), "passages_per_request": args.passages,
                     "tokens": args.tokens, "duration_s": args.duration, "modes": []}
-    for kind in dict.fromkeys(m.split("-")[0] for m in modes):
-        report["modes"] += run_server(kind, [m for m in modes if m.split("-")[0] == kind], model, pool, requests,
-                                      args, work)
+    # the chunk store (hundreds of MB) is this run's alone: it used to stay in the temp folder
+    with tempfile.TemporaryDirectory(prefix="cacheblend-load-") as tmp:
+        work = Path(tmp)
+        register_passages(work / "passages.jsonl", pool)
+        for kind in dict.fromkeys(m.split("-")[0] for m in modes):
+            report["modes"] += run_server(kind, [m for m in modes if m.split("-")[0] == kind], model, pool,
+                                          requests, args, work)
     report["target"] = target(report)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "load.json").write_text(json.dumps(report, indent=1))
     ttft_vs_rate([r for m in report["modes"] for r in m["rates"]], args.out / "ttft_vs_rate.png")
     print(json.dumps(report["target"], indent=1))

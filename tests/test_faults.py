@@ -4,6 +4,7 @@ a shared disk + Redis store for half a minute while every kind of fault is injec
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,10 +22,13 @@ def test_no_wrong_answer_crash_or_lost_entry_under_faults(tmp_path, default_mode
         pytest.fail("redis-server is not installed (make test installs it: scripts/ensure-redis.sh)")
     model = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
     out = tmp_path / "faults.json"
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--clients", "2", "--minutes", "0.6",
                           "--interval", "2.5", "--model", str(model), "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(temp)})
     assert out.exists(), run.stderr[-3000:]
+    assert not list(temp.glob("cacheblend-faults-*"))  # the run's folder goes (it used to stay)
     report = json.loads(out.read_text())
     assert report["served"] > 20 and report["generate"] > 10, report
     assert report["wrong_answers"] == 0, json.dumps({k: report[k] for k in ("wrong", "events")})

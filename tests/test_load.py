@@ -22,18 +22,25 @@ VLLM_PYTHON = Path(os.environ.get("CACHEBLEND_VLLM_PYTHON", ROOT / ".venv-vllm" 
 
 
 def test_short_load_run_answers_every_request_and_blends_faster(tmp_path):
+    """Also: the run's chunk store goes when it ends (it used to stay in the temp folder,
+    273 MB a run); the servers' logs and the connector's stats stay in ``--out``."""
     if not VLLM_PYTHON.exists():
         if os.environ.get("CACHEBLEND_REQUIRE_VLLM") == "1":
             pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm` builds the vLLM venv")
         pytest.skip("no vLLM venv (make vllm)")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--modes", "plain,cacheblend-openai",
          "--rates", "6", "--duration", "10", "--pool", "1", "--passages", "3", "--idle", "2", "--tokens", "4",
-         "--vllm-python", str(VLLM_PYTHON), "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+         "--vllm-python", str(VLLM_PYTHON), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(temp)})
     assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads((tmp_path / "load.json").read_text())
-    assert (tmp_path / "ttft_vs_rate.png").stat().st_size > 0
+    assert not list(temp.glob("cacheblend-load-*"))
+    out = tmp_path / "out"
+    assert (out / "vllm-plain.log").stat().st_size > 0 and (out / "stats.jsonl").stat().st_size > 0
+    report = json.loads((out / "load.json").read_text())
+    assert (out / "ttft_vs_rate.png").stat().st_size > 0
     modes = {m["mode"]: m for m in report["modes"]}
     assert list(modes) == ["plain", "cacheblend-openai"]
     for m in modes.values():
