@@ -164,7 +164,8 @@ class RedisServer:
 def kill_mid_write(writer: str, root, temp_glob: str) -> None:
     """Run ``writer`` (Python source writing to a store at argv[1] in a loop, printing
     "ready" first) in a child process and SIGKILL it once a temp file matching ``temp_glob``
-    under ``root`` shows it is mid-write (or after 60 s)."""
+    under ``root`` holds bytes, so it is mid-write (or after 60 s).  Killing it as soon as the
+    file existed sometimes left only empty files, and nothing for a test to see reclaimed."""
     import signal
     import subprocess
     import sys
@@ -172,8 +173,17 @@ def kill_mid_write(writer: str, root, temp_glob: str) -> None:
 
     proc = subprocess.Popen([sys.executable, "-c", writer, str(root)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    def mid_write() -> bool:  # a temp file with bytes in it: one killed at its creation is empty
+        for path in root.glob(temp_glob):
+            try:
+                if path.stat().st_size > 0:
+                    return True
+            except FileNotFoundError:  # renamed into place meanwhile
+                continue
+        return False
+
     deadline = time.time() + 60
-    while not list(root.glob(temp_glob)) and time.time() < deadline:
+    while not mid_write() and time.time() < deadline:
         time.sleep(0.005)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
