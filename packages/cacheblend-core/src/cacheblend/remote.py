@@ -40,21 +40,8 @@ REMOTE_METHODS = ("blend", "reuse", "full")  # "prefix" is vLLM's own prefix cac
 _SHARED: dict[tuple, RemoteEngine] = {}
 _SHARED_LOCK = threading.Lock()
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}
-RECEIPT_FIELDS = ("exact", "ratio_used", "risk", "exposure", "escalated", "exact_cached_tokens", "approximate_tokens")
 
 log = logging.getLogger(__name__)
-
-
-def adopt_receipt(stats: BlendStats, fidelity: dict[str, Any]) -> None:
-    """Replace the receipt of what was asked for with the worker's (a guard escalation, the
-    risk it measured, the tokens it read exactly); the prompt's cached and computed shares
-    follow from it."""
-    span = stats.reused_tokens + stats.recomputed_tokens  # chunks and prefix: loaded or recomputed
-    for name in RECEIPT_FIELDS:
-        if name in fidelity:
-            setattr(stats, name, fidelity[name])
-    stats.reused_tokens = int(stats.exact_cached_tokens) + int(stats.approximate_tokens)
-    stats.recomputed_tokens = max(0, span - stats.reused_tokens)
 
 
 class RemoteGeneration:
@@ -93,7 +80,7 @@ class RemoteGeneration:
         s.seconds["total"] = time.perf_counter() - self._t0  # the answer's, not the receipt's round trip
         fidelity = self._receipt() if self._receipt is not None else None
         if fidelity:
-            adopt_receipt(s, fidelity)
+            s.adopt_receipt(fidelity)
         if usage is not None:
             s.prompt_tokens, s.new_tokens = usage.prompt_tokens, usage.completion_tokens
         s.computed_tokens = s.prompt_tokens - s.reused_tokens - s.recomputed_tokens

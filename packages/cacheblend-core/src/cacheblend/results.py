@@ -48,7 +48,7 @@ class BlendStats:
     # raised the ratio above the request's.
     exact: bool = True
     ratio_used: float = 0.0
-    risk: float | None = None  # None: not known (a streamed answer from a vLLM server)
+    risk: float | None = None  # None: not known (a streamed answer from a vLLM server without the guard)
     exposure: float | None = None  # the first token's lean on stale K/V; None: not measured (no exposure limit)
     escalated: bool = False
     exact_cached_tokens: int = 0  # of reused_tokens: read from exact caches in the store (the prefix)
@@ -73,6 +73,17 @@ class BlendStats:
                 "ratio_used": self.ratio_used, "risk": self.risk, "exposure": self.exposure,
                 "escalated": self.escalated,
                 "exact_cached_tokens": self.exact_cached_tokens, "approximate_tokens": self.approximate_tokens}
+
+    def adopt_receipt(self, receipt: dict[str, Any]) -> None:
+        """Take another process's :meth:`receipt` of this request (a vLLM worker's: a guard
+        escalation, the risk it measured, the tokens it read exactly) over the one of what
+        was asked for; the reused and recomputed counts follow from it."""
+        span = self.reused_tokens + self.recomputed_tokens  # chunks and prefix: loaded or recomputed
+        for name in self.receipt().keys() - {"method", "recompute_ratio"}:  # what was asked stays
+            if name in receipt:
+                setattr(self, name, receipt[name])
+        self.reused_tokens = int(self.exact_cached_tokens) + int(self.approximate_tokens)
+        self.recomputed_tokens = max(0, span - self.reused_tokens)
 
     def as_dict(self) -> dict:
         return asdict(self)
