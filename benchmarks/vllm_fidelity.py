@@ -26,6 +26,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -120,6 +121,7 @@ def main() -> None:
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait()
+        shutil.rmtree(root, ignore_errors=True)  # the chunk store, passages and stats of this run
 
 
 def run(args: argparse.Namespace, variants: dict[str, dict], root: Path, store: str) -> None:

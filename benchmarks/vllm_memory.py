@@ -61,12 +61,12 @@ def worker(procs: list[dict]) -> dict:
 
 
 def measure(kind: str, model: str, pool: list[str], requests: list[Request], args: argparse.Namespace,
-            work: Path) -> dict:
+            work: Path, logs: Path) -> dict:
     connector = None
     if kind == "connector":
         connector = kv_transfer_config(f"disk:{work / 'kv'}", passages=str(work / "passages.jsonl"))
     server = VLLMServer(model, connector, python=str(vllm_python(args.vllm_python)),
-                        args=("--no-enable-prefix-caching",), log_path=work / f"vllm-{kind}.log")
+                        args=("--no-enable-prefix-caching",), log_path=logs / f"vllm-{kind}.log")
     with server.start(timeout=600):
         time.sleep(args.settle)
         idle = processes(server)
@@ -119,12 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model = str(resolve_model_dir(args.model))
     pool, requests = workload(args)
-    work = Path(tempfile.mkdtemp(prefix="cacheblend-memory-"))
-    register_passages(work / "passages.jsonl", pool)
-    runs = {kind: measure(kind, model, pool, requests, args, work) for kind in ("plain", "connector")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="cacheblend-memory-") as tmp:  # the chunk store: removed after
+        work = Path(tmp)
+        register_passages(work / "passages.jsonl", pool)
+        runs = {kind: measure(kind, model, pool, requests, args, work, args.out)
+                for kind in ("plain", "connector")}
     report = {"command": "benchmarks/vllm_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "model": model, "runs": runs, "compare": compare(runs["plain"], runs["connector"])}
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "memory.json").write_text(json.dumps(report, indent=1))
     for when in ("worker_idle", "worker_after"):
         print(f"\n{when}: " + "; ".join(f"{k} {v['plain']:.0f} -> {v['connector']:.0f} MiB "
