@@ -71,8 +71,7 @@ def messages(example) -> list[dict[str, str]]:
 
 def answer(engine, example, **options):
     gen = engine.start_chat(messages(example), learn=False, max_new_tokens=8, **options)
-    text = "".join(gen.pieces)
-    return text, gen.result
+    return "".join(gen.pieces), gen.result
 
 
 def test_vllm_saves_chunk_caches_the_core_would_compute(server, remote, example, default_model_dir):
@@ -109,9 +108,8 @@ def test_remote_engine_blends_and_ratio_one_is_vllms_full_prefill(server, remote
     assert blend.usage["prompt_tokens"] == full.usage["prompt_tokens"] == load["prompt_tokens"]
     assert blend_text.split()[:1] == full_text.split()[:1]  # this example's first word survives blending
     assert 0 < blend.ttft_s and blend.finish_reason == "length"
-    # The first passage opens the user message, right behind the chat frame (the frame
-    # sink): the worker reuses it exactly, and the client's receipt counts it so (it used
-    # to count it approximate). With that passage alone the answer is exact.
+    # The first passage opens the user message, right behind the chat frame (the frame sink): the
+    # worker reuses it exactly, the client's receipt counts it so; with it alone the answer is exact.
     assert load["fidelity"]["exact_cached_tokens"] > load["prompt_tokens"] // (2 * len(example.passages))
     one = remote.start_chat([{"role": "user", "content": f"{example.passages[0]}\n\nQuestion: {example.question}"}],
                             learn=False, max_new_tokens=2, recompute_ratio=0.15)
@@ -119,9 +117,11 @@ def test_remote_engine_blends_and_ratio_one_is_vllms_full_prefill(server, remote
     load = stats(server)[-1]
     assert load["op"] == "load" and load["fidelity"]["exact"] and one.result.stats.exact
     assert one.result.usage["approximate_tokens"] == load["fidelity"]["approximate_tokens"] == 0
-    # the streamed answer's receipt is the worker's, fetched after the stream: an escalation shows
-    _, guarded = answer(remote, example, recompute_ratio="guard", max_risk=0.0)
+    # the streamed answer's receipt is the worker's, fetched after the stream (written a step after it
+    # when a stop string ends it): an escalation shows
+    _, guarded = answer(remote, example, recompute_ratio="guard", max_risk=0.0, stop=[" "])
     assert guarded.stats.escalated and guarded.stats.exact and guarded.stats.ratio_used == 1.0
+    assert guarded.finish_reason == "stop"
     assert guarded.usage["approximate_tokens"] == stats(server)[-1]["fidelity"]["approximate_tokens"] == 0
 
 

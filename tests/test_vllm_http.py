@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
 from cacheblend.integrations.vllm_http import KVParamsGuard
-from cacheblend.integrations.vllm_receipts import RECEIPT_ROUTE, ReceiptBox, receipt_dir
+from cacheblend.integrations.vllm_receipts import RECEIPT_HEADER, RECEIPT_ROUTE, ReceiptBox, receipt_dir
 from cacheblend.integrations.vllm_server import VLLMServer, kv_transfer_config
 
 
@@ -40,7 +41,8 @@ class FakeApp:
 
 
 def call(guard, body: bytes | dict, *, method: str = "POST", path: str = "/v1/completions", parts: int = 1,
-         content_type: bytes | None = b"application/json", app=None) -> tuple[int, bytes, list[dict]]:
+         content_type: bytes | None = b"application/json", app=None,
+         headers: tuple = ()) -> tuple[int, bytes, list[dict]]:
     """One request through ``guard``; (status, response body, sent messages)."""
     raw = json.dumps(body).encode() if isinstance(body, dict) else body
     size = max(1, -(-len(raw) // parts))
@@ -55,8 +57,8 @@ def call(guard, body: bytes | dict, *, method: str = "POST", path: str = "/v1/co
     async def send(message):
         sent.append(message)
 
-    headers = [(b"content-type", content_type)] if content_type else []
-    scope = {"type": "http", "method": method, "path": path, "headers": headers, "app": app}
+    sent_headers = [(b"content-type", content_type)] if content_type else []
+    scope = {"type": "http", "method": method, "path": path, "headers": sent_headers + list(headers), "app": app}
     asyncio.run(guard(scope, receive, send))
     status = sent[0]["status"]
     return status, b"".join(m.get("body", b"") for m in sent[1:]), sent
@@ -145,13 +147,13 @@ def test_a_client_gone_mid_body_reaches_vllm_as_it_came():
 
 
 def vllm_state(connector: str | None, layers: int = 30, extra: dict | None = None,
-               engine_id: str | None = None) -> SimpleNamespace:
+               engine_id: str | None = None, api_key: list[str] | None = None) -> SimpleNamespace:
     """What vLLM keeps in ``app.state``: the parts the guard reads."""
     kv = None if connector is None else SimpleNamespace(kv_connector=connector, kv_connector_extra_config=extra or {},
                                                         engine_id=engine_id)
     model = SimpleNamespace(get_total_num_hidden_layers=lambda: layers)
-    return SimpleNamespace(state=SimpleNamespace(vllm_config=SimpleNamespace(kv_transfer_config=kv,
-                                                                               model_config=model)))
+    return SimpleNamespace(state=SimpleNamespace(vllm_config=SimpleNamespace(kv_transfer_config=kv, model_config=model),
+                                                 args=SimpleNamespace(api_key=api_key)))
 
 
 def test_inside_vllm_the_models_layers_and_server_defaults_count():
@@ -253,17 +255,58 @@ def test_a_streamed_requests_receipt_is_served_once_and_only_its_own():
         box.close()
 
 
-def test_the_receipt_box_never_raises_and_forgets_what_nobody_fetched(tmp_path, caplog):
-    box = ReceiptBox(tmp_path / "box", ttl_s=60)
-    box.put("x" * 16, {"cacheblend": {}})
-    box.put("y" * 16, {"cacheblend": {}})
-    old = time.time() - 120
-    os.utime(tmp_path / "box" / f"{'x' * 16}.json", (old, old))
-    assert box.prune() == 1 and box.take("x" * 16) is None and box.take("y" * 16) == {"cacheblend": {}}
-    box.put("../../escape-here", {})  # not a tag: never a file name
-    box.put("z" * 16, {"not json": object()})  # cannot be written: logged, not raised
-    (tmp_path / "file").write_text("")
-    blocked = ReceiptBox(tmp_path / "file" / "box")  # a folder that cannot be made
-    blocked.put("w" * 16, {})
-    assert blocked.take("w" * 16) is None and sorted(p.name for p in tmp_path.iterdir()) == ["box", "file"]
-    assert list((tmp_path / "box").iterdir()) == [] and "could not keep the receipt" in caplog.text
+def test_a_receipt_written_after_the_stream_ended_is_still_served():
+    """A stop string ends a stream in vLLM's API server, which then aborts the request in the
+    engine: the receipt is written a step after the client saw the stream end.  The guard
+    waits for the tag of a request it passed on; a 404 it gives says it is the guard's, so a
+    client does not take it for a server without receipts."""
+    engine_id = f"test-{os.getpid()}-late"
+    box = ReceiptBox(receipt_dir(engine_id))
+    try:
+        tag, app = "late-receipt-0123456789", vllm_state("CacheBlendConnector", engine_id=engine_id)
+        guard = KVParamsGuard(FakeApp())
+        assert call(guard, {"prompt": [1, 2], "kv_transfer_params": {"receipt": tag}}, app=app)[0] == 200
+        threading.Timer(0.4, box.put, (tag, {"cacheblend": {"fidelity": {"exact": False}}})).start()
+        status, answer, sent = call(guard, b"", method="GET", path=RECEIPT_ROUTE + tag, app=app)
+        assert status == 200 and json.loads(answer)["cacheblend"]["fidelity"] == {"exact": False}
+        assert (RECEIPT_HEADER.encode(), b"1") in sent[0]["headers"]
+        t0 = time.monotonic()  # a tag no request here carried: a short wait, then the guard's own 404
+        status, _, sent = call(guard, b"", method="GET", path=RECEIPT_ROUTE + "n" * 16, app=app)
+        assert status == 404 and (RECEIPT_HEADER.encode(), b"1") in sent[0]["headers"]
+        assert time.monotonic() - t0 < 3
+    finally:
+        box.close()
+
+
+def test_with_an_api_key_only_a_client_holding_it_reaches_the_guards_answers():
+    """vLLM puts ``--middleware`` outside its API-key check: the guard must not serve a
+    receipt, nor judge a request, for a caller vLLM would refuse; it passes them on."""
+    engine_id = f"test-{os.getpid()}-keys"
+    box = ReceiptBox(receipt_dir(engine_id))
+    try:
+        tag = "k" * 20
+        box.put(tag, {"cacheblend": {}})
+        app = vllm_state("CacheBlendConnector", engine_id=engine_id, api_key=["sk-right"])
+        for headers in ((), ((b"authorization", b"Bearer sk-wrong"),), ((b"authorization", b"Basic sk-right"),)):
+            inner = FakeApp()
+            status, answer, _ = call(KVParamsGuard(inner), b"", method="GET", path=RECEIPT_ROUTE + tag, app=app,
+                                     headers=headers)
+            assert len(inner.calls) == 1 and answer == b"data: 1\n\ndata: [DONE]\n\n"  # vLLM's to answer
+            inner = FakeApp()
+            bad = {"prompt": [1], "kv_transfer_params": {"deviation": "q"}}
+            assert call(KVParamsGuard(inner), bad, app=app, headers=headers)[0] == 200 and len(inner.calls) == 1
+        key = ((b"authorization", b"Bearer sk-right"),)
+        status, answer, _ = call(KVParamsGuard(FakeApp()), b"", method="GET", path=RECEIPT_ROUTE + tag, app=app,
+                                 headers=key)
+        assert status == 200 and json.loads(answer) == {"cacheblend": {}}
+        bad = {"prompt": [1], "kv_transfer_params": {"deviation": "q"}}
+        assert call(KVParamsGuard(FakeApp()), bad, app=app, headers=key)[0] == 400
+        os.environ["VLLM_API_KEY"] = "sk-env"  # vLLM's fallback when no --api-key is given
+        try:
+            inner = FakeApp()
+            call(KVParamsGuard(inner), bad, app=vllm_state("CacheBlendConnector"))
+            assert len(inner.calls) == 1
+        finally:
+            del os.environ["VLLM_API_KEY"]
+    finally:
+        box.close()

@@ -211,8 +211,9 @@ class SchedulerSide:
         receipt = self._receipts.pop(request.request_id, None)
         if not request_params(request):
             return None
+        keeps = self.receipts is not None and self.receipts.usable  # streamed answers' receipts
         marker = {"connector": self.connector, "chunk_sink": self.chunk_sink,
-                  "exact_behind_sink": self.exact_behind_sink, "receipts": self.receipts is not None,
+                  "exact_behind_sink": self.exact_behind_sink, "receipts": keeps,
                   "chunks": len(spans), "fidelity": receipt}
         if receipt is None and (spans or prefix):  # blended in this very step: vLLM reads the receipt after this
             self._awaiting[request.request_id] = (marker, tag)
