@@ -8,6 +8,7 @@ import pytest
 from cacheblend import CacheBlendError
 from cacheblend.integrations.vllm_server import free_port
 from cacheblend.remote import RemoteEngine
+from cacheblend.results import BlendStats
 
 
 def test_a_server_that_never_answers_does_not_hold_up_clients_of_other_servers():
@@ -54,65 +55,130 @@ def test_a_server_that_never_answers_does_not_hold_up_clients_of_other_servers()
     assert outcome and isinstance(outcome[0], (ConnectionError, CacheBlendError))
 
 
+class FakeVLLM:
+    """Just enough of vLLM's OpenAI API for RemoteEngine, on a loopback port: the ping says
+    the connector keeps receipts; ``receipt(path)`` answers the receipt fetch as
+    (status, headers, body bytes).  ``sent`` collects each request's ``kv_transfer_params``."""
+
+    def __init__(self, model_dir, receipt) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        sent: list[dict] = []
+        self.sent = sent
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                return
+
+            def _reply(self, status: int, body: bytes, headers: dict | None = None,
+                       kind: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                if self.path == "/v1/models":
+                    card = {"id": "m", "object": "model", "created": 0, "owned_by": "t", "root": str(model_dir),
+                            "max_model_len": 2048}
+                    self._reply(200, json.dumps({"object": "list", "data": [card]}).encode())
+                else:
+                    self._reply(*receipt(self.path))
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                sent.append(body.get("kv_transfer_params") or {})
+                choice = {"index": 0, "text": "Hi", "finish_reason": "length", "logprobs": None}
+                reply = {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [choice]}
+                if not body.get("stream"):  # the ping
+                    marker = {"connector": "CacheBlendConnector", "chunk_sink": "frame", "receipts": True}
+                    self._reply(200, json.dumps(reply | {"kv_transfer_params": {"cacheblend": marker}}).encode())
+                    return
+                usage = {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}
+                events = [reply, reply | {"choices": [], "usage": usage}]
+                data = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+                self._reply(200, data.encode(), kind="text/event-stream")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def ask_twice(url: str) -> list:
+    """A full-prefill chat (never tagged), then two chats over a passage; their stats."""
+    engine = RemoteEngine(url, max_retries=0)
+    "".join(engine.start_chat([{"role": "user", "content": "Hi?"}], method="full", max_new_tokens=1).pieces)
+    out = []
+    for _ in range(2):
+        gen = engine.start_chat([{"role": "user", "content": "Where is Vienna?"}], learn=False, max_new_tokens=1,
+                                documents=["Vienna is the capital of Austria, on the Danube."])
+        assert "".join(gen.pieces) == "Hi"
+        out.append(gen.result.stats)
+    return out
+
+
 def test_a_server_without_the_receipt_route_gets_no_more_tagged_requests(default_model_dir):
     """A server whose connector keeps receipts but whose vLLM runs without the guard
-    middleware answers the receipt fetch with 404: the client keeps the receipt of what it
-    asked for and stops tagging requests (each tag would leave a file nobody fetches).
-    The server here speaks just enough of vLLM's OpenAI API for RemoteEngine."""
+    middleware answers the receipt fetch with vLLM's own 404: the client keeps the receipt
+    of what it asked for and stops tagging requests (each tag would leave a file nobody
+    fetches)."""
     import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    sent: list[dict] = []
-
-    class Server(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            return
-
-        def _json(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            if self.path == "/v1/models":
-                card = {"id": "m", "object": "model", "created": 0, "owned_by": "t", "root": str(default_model_dir),
-                        "max_model_len": 2048}
-                self._json(200, {"object": "list", "data": [card]})
-            else:  # no guard middleware: vLLM itself answers the receipt route
-                self._json(404, {"error": {"message": "Not Found", "type": "NotFoundError", "code": 404}})
-
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            sent.append(body.get("kv_transfer_params") or {})
-            choice = {"index": 0, "text": "Hi", "finish_reason": "length", "logprobs": None}
-            reply = {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [choice]}
-            if not body.get("stream"):  # the ping
-                marker = {"connector": "CacheBlendConnector", "chunk_sink": "frame", "receipts": True}
-                self._json(200, reply | {"kv_transfer_params": {"cacheblend": marker}})
-                return
-            usage = {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}
-            events = [reply, reply | {"choices": [], "usage": usage}]
-            data = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            self.wfile.write(data.encode())
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Server)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = FakeVLLM(default_model_dir, lambda path: (404, json.dumps({"error": {
+        "message": "Not Found", "type": "NotFoundError", "code": 404}}).encode()))
     try:
-        engine = RemoteEngine(f"http://127.0.0.1:{server.server_address[1]}/v1", max_retries=0)
-        "".join(engine.start_chat([{"role": "user", "content": "Hi?"}], method="full", max_new_tokens=1).pieces)
-        for _ in range(2):
-            gen = engine.start_chat([{"role": "user", "content": "Where is Vienna?"}], learn=False, max_new_tokens=1,
-                                    documents=["Vienna is the capital of Austria, on the Danube."])
-            assert "".join(gen.pieces) == "Hi" and gen.result.stats.risk is None  # the asked-for receipt
+        stats = ask_twice(server.url)
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
+    assert all(s.risk is None for s in stats)  # the asked-for receipt
+    sent = server.sent
     assert "receipt" not in sent[1]  # full prefill: nothing loaded, the asked-for receipt is exact
     assert len(sent[2]["receipt"]) == 32 and "receipt" not in sent[3]  # tagged once, then not
+
+
+def test_the_guards_own_404_or_a_damaged_receipt_keeps_the_answer_and_the_tagging(default_model_dir):
+    """The guard's 404 (its header says so: a receipt the worker could not write) is not a
+    server without receipts; a receipt that is not JSON, or has fields of the wrong kind,
+    leaves the asked-for receipt whole.  None of it fails the answer, given already."""
+    import json
+
+    replies = iter([(404, json.dumps({"error": {"message": "none", "type": "NotFoundError", "code": 404}}).encode(),
+                     {"x-cacheblend-receipts": "1"}),
+                    (200, b"{not json", {"x-cacheblend-receipts": "1"})])
+    server = FakeVLLM(default_model_dir, lambda path: next(replies))
+    try:
+        stats = ask_twice(server.url)
+    finally:
+        server.close()
+    assert all(s.risk is None and s.reused_tokens + s.recomputed_tokens > 0 for s in stats)
+    assert len(server.sent[2]["receipt"]) == 32 and len(server.sent[3]["receipt"]) == 32  # still tagged
+
+
+def test_the_workers_receipt_replaces_what_was_asked_whole_or_not_at_all():
+    asked = BlendStats(method="blend", recompute_ratio=0.15, prompt_tokens=100, reused_tokens=60,
+                       recomputed_tokens=20, exact=False, ratio_used=0.15, exact_cached_tokens=10,
+                       approximate_tokens=50)
+    before = asked.as_dict()
+    for bad in ({"risk": "high"}, {"exact": 1}, {"reused_tokens": -1}, {"ratio_used": None},
+                {"escalated": True, "approximate_tokens": 3.5}):
+        with pytest.raises(ValueError, match="receipt field"):
+            asked.adopt_receipt(bad)
+        assert asked.as_dict() == before  # nothing taken
+    # a worker that missed a chunk in its store computed it: its counts are taken as they are
+    asked.adopt_receipt({"exact": False, "risk": 0.2, "escalated": False, "ratio_used": 0.15,
+                         "exact_cached_tokens": 10, "approximate_tokens": 30, "reused_tokens": 40,
+                         "recomputed_tokens": 12, "method": "full"})
+    assert (asked.reused_tokens, asked.recomputed_tokens, asked.risk, asked.method) == (40, 12, 0.2, "blend")
+    older = BlendStats(method="blend", recompute_ratio=0.15, reused_tokens=60, recomputed_tokens=20)
+    older.adopt_receipt({"exact": True, "ratio_used": 1.0, "escalated": True, "exact_cached_tokens": 10,
+                         "approximate_tokens": 0})  # an older worker: counts from what was asked
+    assert (older.reused_tokens, older.recomputed_tokens, older.escalated) == (10, 70, True)

@@ -31,6 +31,7 @@ from .cache.keys import chunk_key
 from .chat import HeadMemory, chunk_spans, plan_chat
 from .config import CHUNK_SINKS, METHODS, SELECTION_FIELDS, EngineConfig, RequestOptions
 from .errors import CacheBlendError
+from .integrations.vllm_receipts import RECEIPT_HEADER, RECEIPT_WAIT_S
 from .integrations.vllm_server import GUARD_MIDDLEWARE
 from .passages import PassageIndex
 from .prompt import PromptBuilder, PromptIds
@@ -48,7 +49,8 @@ class RemoteGeneration:
     """One streamed answer: iterate ``pieces`` for text, then read ``result``."""
 
     def __init__(self, stream_fn: Callable[[], Any], stats: BlendStats, t0: float,
-                 timeout: float | None = None, receipt: Callable[[], dict | None] | None = None) -> None:
+                 timeout: float | None = None,
+                 receipt: Callable[[float | None], dict | None] | None = None) -> None:
         self.stats = stats
         self._receipt = receipt  # fetches the server's receipt once the stream has ended
         self.result: Result | None = None
@@ -78,9 +80,12 @@ class RemoteGeneration:
         s = self.stats
         s.seconds["ttft"] = ttft or 0.0
         s.seconds["total"] = time.perf_counter() - self._t0  # the answer's, not the receipt's round trip
-        fidelity = self._receipt() if self._receipt is not None else None
+        fidelity = self._receipt(self._deadline) if self._receipt is not None else None
         if fidelity:
-            s.adopt_receipt(fidelity)
+            try:
+                s.adopt_receipt(fidelity)
+            except ValueError as e:  # a damaged receipt: the answer stands, with what was asked for
+                log.warning("the server's receipt of an answer is malformed (%s); keeping the asked-for one", e)
         if usage is not None:
             s.prompt_tokens, s.new_tokens = usage.prompt_tokens, usage.completion_tokens
         s.computed_tokens = s.prompt_tokens - s.reused_tokens - s.recomputed_tokens
@@ -173,22 +178,31 @@ class RemoteEngine(Answering):
             raise CacheBlendError(f"the server at {self.base_url} names an unknown chunk sink {sink!r}")
         return str(sink), answer.get("exact_behind_sink") is True, answer.get("receipts") is True
 
-    def _fetch_receipt(self, tag: str) -> dict | None:
+    def _fetch_receipt(self, tag: str, deadline: float | None = None) -> dict | None:
         """The worker's receipt of the streamed request tagged ``tag`` (the guard middleware
-        serves it: vllm_receipts.py); None if the server has none to give."""
-        from openai import APIError, NotFoundError
+        serves it: vllm_receipts.py), fetched within the request's ``deadline``; None if the
+        server has none to give.  Nothing raises: the answer has been given already."""
+        from openai import NotFoundError
 
+        wait = RECEIPT_WAIT_S + 5.0  # the guard waits that long for a receipt written late
+        if deadline is not None:
+            wait = min(wait, deadline - time.perf_counter())
+            if wait <= 0:
+                return None
         try:
             answer = self.client.get(f"/cacheblend/receipts/{tag}", cast_to=object,
-                                     options={"max_retries": 0, "timeout": 10.0})
-        except NotFoundError:
-            # A finished stream's receipt is always kept, so the server runs without the
-            # guard middleware that serves it (or cannot write it): stop tagging requests.
-            log.info("%s keeps no receipts for streamed answers (vLLM started without --middleware %s?); "
-                     "answers carry the receipt of what was asked for", self.base_url, GUARD_MIDDLEWARE)
-            self._receipts = False
+                                     options={"max_retries": 0, "timeout": wait})
+        except NotFoundError as e:
+            if e.response.headers.get(RECEIPT_HEADER) is None:
+                # Not the guard's 404: vLLM runs without the middleware that serves receipts,
+                # so each tag would leave a file nobody fetches: stop tagging requests.
+                log.info("%s keeps no receipts for streamed answers (vLLM started without --middleware %s?); "
+                         "answers carry the receipt of what was asked for", self.base_url, GUARD_MIDDLEWARE)
+                self._receipts = False
+            else:  # the guard has none (the worker could not write it): this answer keeps the asked-for one
+                log.debug("no receipt for %s on %s", tag, self.base_url)
             return None
-        except APIError as e:  # gone, or a timeout: the asked-for receipt stands
+        except Exception as e:  # noqa: BLE001 - gone, a timeout, a body that is not JSON: the asked-for receipt stands
             log.debug("no receipt for %s from %s: %s", tag, self.base_url, e)
             return None
         marker = answer.get("cacheblend") if isinstance(answer, dict) else None
@@ -337,4 +351,4 @@ class RemoteEngine(Answering):
                 **({"timeout": opts.timeout} if opts.timeout is not None else {}))
 
         return RemoteGeneration(stream, stats, t0, opts.timeout,
-                                receipt=(lambda: self._fetch_receipt(tag)) if tag else None)
+                                receipt=(lambda deadline: self._fetch_receipt(tag, deadline)) if tag else None)

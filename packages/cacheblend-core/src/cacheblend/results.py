@@ -67,26 +67,54 @@ class BlendStats:
         self.approximate_tokens = report.approximate_tokens
         self.checked_tokens = report.active_per_layer[0] - report.computed_tokens if report.active_per_layer else 0
 
-    def receipt(self) -> dict[str, Any]:
-        """The fidelity receipt, as adapters put it in their response metadata."""
-        return {"exact": self.exact, "method": self.method, "recompute_ratio": self.recompute_ratio,
-                "ratio_used": self.ratio_used, "risk": self.risk, "exposure": self.exposure,
-                "escalated": self.escalated,
-                "exact_cached_tokens": self.exact_cached_tokens, "approximate_tokens": self.approximate_tokens}
+    def receipt(self, counts: bool = False) -> dict[str, Any]:
+        """The fidelity receipt, as adapters put it in their response metadata; with
+        ``counts``, also the reused and recomputed token counts (a vLLM worker sends them to
+        its client, whose own counts are of what it asked for)."""
+        out = {"exact": self.exact, "method": self.method, "recompute_ratio": self.recompute_ratio,
+               "ratio_used": self.ratio_used, "risk": self.risk, "exposure": self.exposure,
+               "escalated": self.escalated,
+               "exact_cached_tokens": self.exact_cached_tokens, "approximate_tokens": self.approximate_tokens}
+        if counts:
+            out |= {"reused_tokens": self.reused_tokens, "recomputed_tokens": self.recomputed_tokens}
+        return out
 
     def adopt_receipt(self, receipt: dict[str, Any]) -> None:
         """Take another process's :meth:`receipt` of this request (a vLLM worker's: a guard
         escalation, the risk it measured, the tokens it read exactly) over the one of what
-        was asked for; the reused and recomputed counts follow from it."""
+        was asked for.  A receipt with a field of the wrong type raises ``ValueError`` and
+        nothing is taken.  Without counts (an older worker) the reused and recomputed tokens
+        are worked out from what was asked for."""
+        taken = {name: _checked(name, receipt[name]) for name in _ADOPTED if name in receipt}
         span = self.reused_tokens + self.recomputed_tokens  # chunks and prefix: loaded or recomputed
-        for name in self.receipt().keys() - {"method", "recompute_ratio"}:  # what was asked stays
-            if name in receipt:
-                setattr(self, name, receipt[name])
-        self.reused_tokens = int(self.exact_cached_tokens) + int(self.approximate_tokens)
-        self.recomputed_tokens = max(0, span - self.reused_tokens)
+        for name, value in taken.items():
+            setattr(self, name, value)
+        if "reused_tokens" not in taken:
+            self.reused_tokens = self.exact_cached_tokens + self.approximate_tokens
+        if "recomputed_tokens" not in taken:
+            self.recomputed_tokens = max(0, span - self.reused_tokens)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+# What adopt_receipt takes, by kind; "method" and "recompute_ratio" stay what was asked.
+_FLAGS = ("exact", "escalated")
+_SHARES = ("ratio_used", "risk", "exposure")  # risk and exposure may be None (not measured)
+_COUNTS = ("exact_cached_tokens", "approximate_tokens", "reused_tokens", "recomputed_tokens")
+_ADOPTED = _FLAGS + _SHARES + _COUNTS
+
+
+def _checked(name: str, value: Any) -> Any:
+    """``value`` if it has the kind the receipt field ``name`` holds; else ValueError."""
+    if name in _FLAGS and isinstance(value, bool):
+        return value
+    if name in _SHARES and (value is None and name != "ratio_used"
+                            or isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
+        return None if value is None else float(value)
+    if name in _COUNTS and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ValueError(f"receipt field {name!r}: {value!r} is not what it holds")
 
 
 @dataclass

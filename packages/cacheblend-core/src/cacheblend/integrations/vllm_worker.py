@@ -108,7 +108,7 @@ class WorkerSide:
         stats = BlendStats(method="blend" if load.blend.recompute_ratio > 0 else "reuse",
                            recompute_ratio=load.blend.recompute_ratio)
         stats.take_prefill(report)
-        self._step_receipts[load.req_id] = stats.receipt()
+        self._step_receipts[load.req_id] = stats.receipt(counts=True)
         self.last_stats = {"req_id": load.req_id, "op": "load", "prompt_tokens": report.prompt_tokens,
                            "chunks": len(load.spans), "recompute_ratio": load.blend.recompute_ratio,
                            "reused": report.reused_tokens, "recomputed": report.recomputed_tokens,
