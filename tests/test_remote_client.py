@@ -3,6 +3,8 @@ server is needed (the real server's tests are in test_remote.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cacheblend import CacheBlendError
@@ -60,13 +62,14 @@ class FakeVLLM:
     the connector keeps receipts; ``receipt(path)`` answers the receipt fetch as
     (status, headers, body bytes).  ``sent`` collects each request's ``kv_transfer_params``."""
 
-    def __init__(self, model_dir, receipt) -> None:
+    def __init__(self, model_dir, receipt, refuse: str | None = None) -> None:
         import json
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         sent: list[dict] = []
-        self.sent = sent
+        self.sent, self.bodies = sent, []
+        bodies = self.bodies
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
@@ -93,6 +96,11 @@ class FakeVLLM:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 sent.append(body.get("kv_transfer_params") or {})
+                bodies.append(body)
+                if refuse and body.get("stream"):
+                    error = {"message": refuse, "type": "BadRequestError", "param": None, "code": 400}
+                    self._reply(400, json.dumps({"error": error}).encode())
+                    return
                 choice = {"index": 0, "text": "Hi", "finish_reason": "length", "logprobs": None}
                 reply = {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [choice]}
                 if not body.get("stream"):  # the ping
@@ -182,3 +190,66 @@ def test_the_workers_receipt_replaces_what_was_asked_whole_or_not_at_all():
     older.adopt_receipt({"exact": True, "ratio_used": 1.0, "escalated": True, "exact_cached_tokens": 10,
                          "approximate_tokens": 0})  # an older worker: counts from what was asked
     assert (older.reused_tokens, older.recomputed_tokens, older.escalated) == (10, 70, True)
+
+
+def test_the_answer_never_asks_for_more_than_the_context_holds_and_a_refusal_is_bad_input(default_model_dir):
+    """vLLM answers HTTP 400 when prompt plus ``max_tokens`` outgrows ``max_model_len``; the
+    engine stops the answer at the context's end instead, and so does the client now.  A 400
+    is bad input (CacheBlendError), which adapters do not retry, not an openai error."""
+    import json
+
+    from cacheblend import CacheBlendError
+
+    server = FakeVLLM(default_model_dir, lambda path: (404, b"{}"))
+    try:
+        engine = RemoteEngine(server.url, max_retries=0)
+        gen = engine.start_chat([{"role": "user", "content": "Hi?"}], method="full", max_new_tokens=100_000)
+        "".join(gen.pieces)
+        body = server.bodies[-1]
+        assert 0 < body["max_tokens"] == 2048 - len(body["prompt"])
+    finally:
+        server.close()
+    server = FakeVLLM(default_model_dir, lambda path: (404, b"{}"), refuse="'max_tokens' is too large")
+    try:
+        with pytest.raises(CacheBlendError, match="the server refused the request: 'max_tokens' is too large"):
+            "".join(RemoteEngine(server.url, max_retries=0).start_chat(
+                [{"role": "user", "content": "Hi?"}], method="full", max_new_tokens=4).pieces)
+    finally:
+        server.close()
+    assert json.dumps(server.bodies[-1])  # it was asked once
+
+
+def test_a_cancelled_async_stream_from_a_server_is_closed(default_model_dir):
+    """A cancelled ``astream`` with ``base_url`` kept a thread reading the server's stream
+    to ``max_tokens``; now the stream is closed at its next chunk (vLLM then aborts it)."""
+    import asyncio
+
+    from cacheblend.aio import iterate_in_thread
+
+    server = FakeVLLM(default_model_dir, lambda path: (404, b"{}"))
+    try:
+        engine = RemoteEngine(server.url, max_retries=0)
+        gen = engine.start_chat([{"role": "user", "content": "Hi?"}], method="full", max_new_tokens=4)
+        closed: list[bool] = []
+        real = gen.pieces
+
+        def pieces():
+            try:
+                for piece in real:
+                    yield piece
+                    time.sleep(1.0)  # a slow server
+            finally:
+                closed.append(True)
+
+        async def consume():
+            async for _ in iterate_in_thread(pieces):
+                pass
+
+        async def give_up():
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(consume(), timeout=0.5)
+
+        asyncio.run(give_up())
+        assert closed and gen.result is None  # stopped before the stream's end
+    finally:
+        server.close()

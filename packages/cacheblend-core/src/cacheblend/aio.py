@@ -11,7 +11,7 @@ cancelled ``ainvoke`` went on decoding to ``max_tokens`` on its thread."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import contextvars
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
@@ -55,26 +55,44 @@ async def run_in_thread(fn: Callable[..., T], *args, **kwargs) -> T:
 
 
 async def iterate_in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Items of the iterator ``make()`` returns, each produced on a worker thread.
+    """Items of the iterator ``make()`` returns, each produced on a worker thread;
+    cancelling the consumer stops the step under way (a whole prefill, for the first item)
+    at its next layer or token, as :func:`run_in_thread` does.
 
     ``make`` itself runs on a thread too (starting a generation validates input and
     tokenizes); an exception it raises comes out of the first ``__anext__``."""
-    it = await asyncio.to_thread(make)
+    flag = threading.Event()
+    context = contextvars.copy_context()  # the threads' context: it holds the cancel flag
+    context.run(_CANCEL.set, flag)
+    try:
+        it = await asyncio.to_thread(context.run, make)
+    except asyncio.CancelledError:
+        flag.set()
+        raise
+    def advance() -> object:
+        return context.run(next, it, _DONE)
+
     step: asyncio.Future | None = None
     try:
         while True:
             # Shielded: a cancelled consumer must not abandon a step still running on its
             # thread, or closing the generator below would find it executing.
-            step = asyncio.ensure_future(asyncio.to_thread(next, it, _DONE))
-            item = await asyncio.shield(step)
+            step = asyncio.ensure_future(asyncio.to_thread(advance))
+            try:
+                item = await asyncio.shield(step)
+            except asyncio.CancelledError:
+                flag.set()  # the step stops at its next layer or token
+                raise
             step = None
             if item is _DONE:
                 return
             yield item  # type: ignore[misc]
     finally:
-        if step is not None:  # cancelled mid-step: let the step finish, then close
-            with contextlib.suppress(Exception):
+        if step is not None:  # cancelled mid-step: let the step stop, then close
+            try:
                 await step
+            except (Exception, CallCancelled):
+                pass
         close = getattr(it, "close", None)
         if close is not None:
             await asyncio.to_thread(close)

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
 
+from .aio import raise_if_cancelled
 from .backend import Answering, check_request
 from .cache.keys import chunk_key
 from .chat import HeadMemory, chunk_spans, plan_chat
@@ -59,10 +60,17 @@ class RemoteGeneration:
         self.pieces: Generator[str, None, None] = self._pieces(stream_fn)
 
     def _pieces(self, stream_fn: Callable[[], Any]) -> Generator[str, None, None]:
+        from openai import BadRequestError
+
         text, ttft, finish, usage = "", None, "length", None
-        stream = stream_fn()
+        try:
+            stream = stream_fn()
+        except BadRequestError as e:  # bad input, as the engine's own checks raise it: never retried
+            said = e.body.get("message") if isinstance(e.body, dict) else None
+            raise CacheBlendError(f"the server refused the request: {said or e.message}") from e
         try:
             for chunk in stream:
+                raise_if_cancelled()  # a cancelled async call closes the stream (below): vLLM stops decoding
                 if self._deadline is not None and time.perf_counter() > self._deadline:
                     raise TimeoutError("the request's timeout ran out while the server answered")
                 if chunk.usage is not None:
@@ -306,6 +314,8 @@ class RemoteEngine(Answering):
         if len(ids) >= self.context_length:
             raise CacheBlendError(f"prompt of {len(ids)} tokens does not fit the server's context of "
                                   f"{self.context_length} tokens")
+        # vLLM refuses a prompt whose answer could outgrow the context; the engine's rule: the answer stops there
+        budget = min(sampling.max_new_tokens, self.context_length - len(ids))
         spans = chunk_spans(prompt) if opts.method != "full" else []
         # the prompt's prefix, read by the worker from the prefix cache: what comes before
         # the first user message's content (a chat's lead is computed: :func:`chat.layout`),
@@ -343,7 +353,7 @@ class RemoteEngine(Answering):
 
         def stream():
             return self.client.completions.create(
-                model=self.model_name, prompt=ids, max_tokens=sampling.max_new_tokens,
+                model=self.model_name, prompt=ids, max_tokens=budget,
                 temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
                 stop=list(sampling.stop) or None, stream=True,
                 stream_options={"include_usage": True},
