@@ -39,7 +39,7 @@ def create_cacheblend_retrieval_chain(
     doc_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
 
     def answer(inputs: dict[str, Any]) -> Runnable:
-        docs: list[Document] = inputs[document_variable_name]
+        docs: list[Document] = inputs["context"]  # the output key, whatever the prompt calls the text
         texts = [format_document(d, doc_prompt) for d in docs]
         fill: Runnable = RunnableLambda(lambda x: {**x, document_variable_name: document_separator.join(texts)})
         return fill | prompt | llm.bind(documents=texts) | StrOutputParser()

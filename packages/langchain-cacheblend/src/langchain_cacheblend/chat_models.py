@@ -120,17 +120,29 @@ class ChatCacheBlend(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model_label, "store": self.store, "base_url": self.base_url, "method": self.method,
-                "recompute_ratio": self.recompute_ratio, "temperature": self.temperature}
+        """What makes two instances answer alike: LangChain's LLM cache (``set_llm_cache``)
+        keys on it, so every request option is in it, not only the model's name."""
+        return {"model": self.model_label, "store": self.store, "base_url": self.base_url,
+                **self._field_options(), "model_kwargs": sorted(self.model_kwargs.items())}
 
     @property
-    def model_label(self) -> str:
-        return self.model or DEFAULT_MODEL_NAME
+    def model_label(self) -> str | None:
+        """The model's name as far as it is known without loading or connecting: ``model``,
+        else the engine's once there is one, else the default's (None for a server's first
+        model not asked for yet)."""
+        if self.model:
+            return self.model
+        engine = self._engine if self._engine is not None else self.engine
+        if engine is not None:
+            return engine.model_name
+        return None if self.base_url else DEFAULT_MODEL_NAME
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        # LangChain calls this on the event loop before an async call: it must not load the model
         params = LangSmithParams(ls_provider="cacheblend", ls_model_type="chat",
-                                 ls_model_name=kwargs.get("model") or self.model_name,
                                  ls_temperature=_or(kwargs.get("temperature"), self.temperature))
+        if name := kwargs.get("model") or self.model_label:
+            params["ls_model_name"] = name
         if (max_tokens := _or(kwargs.get("max_tokens"), self.max_tokens)) is not None:
             params["ls_max_tokens"] = max_tokens
         if stop := stop if stop is not None else self.stop:
@@ -182,6 +194,24 @@ class ChatCacheBlend(BaseChatModel):
     def learn_passages(self) -> bool:
         """The former name of ``learn``."""
         return self.learn
+
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickled (multiprocessing, Ray) without its engine, which holds the model and locks:
+        the copy loads, or connects to, its own on first use."""
+        if self.engine is not None:
+            raise TypeError("ChatCacheBlend(engine=...) cannot be pickled: an engine holds the model and locks. "
+                            "Build it with model=, store= or base_url= and each process gets its own engine")
+        state = super().__getstate__()
+        state["__pydantic_private__"] = {**(state.get("__pydantic_private__") or {}), "_engine": None}
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> ChatCacheBlend:
+        """A copy that shares the engine (a process-wide resource), not a copy of it."""
+        memo = {} if memo is None else memo
+        for engine in (self.engine, self._engine):
+            if engine is not None:
+                memo[id(engine)] = engine
+        return super().__deepcopy__(memo)
 
     def get_engine(self) -> Backend:
         """The engine, loaded (or connected to) on first use, so constructing costs nothing."""

@@ -12,25 +12,49 @@ from __future__ import annotations
 from typing import Any
 
 from langchain_core.documents import Document
-from langchain_core.messages import AIMessage, BaseMessage, ChatMessage
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 
 from cacheblend import CacheBlendError
 from cacheblend.prompt import chat_role
 
+# A message's role by its class; the ``...MessageChunk`` classes (what ``full = full + chunk``
+# over a stream builds, then kept in a chat history) are subclasses, with types of their own.
+_ROLES = ((SystemMessage, "system"), (HumanMessage, "human"), (AIMessage, "ai"), (ToolMessage, "tool"),
+          (FunctionMessage, "function"))
+
 
 def document_texts(documents: Any) -> list[str]:
-    """``documents=`` (one or a list of ``Document`` or strings) as passage texts."""
+    """``documents=`` (one or a list of ``Document`` or strings) as passage texts.  Blank
+    ones are left out (an image-only PDF page, an empty file): LangChain's stuff chain
+    pastes them as nothing, and they are no passage to reuse."""
     if isinstance(documents, (str, Document)):
         documents = [documents]
     out = []
     for d in documents:
         if isinstance(d, Document):
-            out.append(d.page_content)
+            text = d.page_content
         elif isinstance(d, str):
-            out.append(d)
+            text = d
         else:
             raise CacheBlendError(f"documents must be Document objects or strings, got {type(d).__name__}")
+        if text.strip():
+            out.append(text)
     return out
+
+
+def message_role(m: BaseMessage) -> str:
+    """A ``ChatMessage``'s ``role`` string, any other message's role by its class."""
+    if isinstance(m, ChatMessage):
+        return m.role
+    return next((role for kind, role in _ROLES if isinstance(m, kind)), m.type)
 
 
 def chat_messages(messages: list[BaseMessage]) -> list[dict[str, str]]:
@@ -40,7 +64,7 @@ def chat_messages(messages: list[BaseMessage]) -> list[dict[str, str]]:
     any other message by its type (``"system"``, ``"human"``, ``"ai"``, ``"tool"``)."""
     out = []
     for m in messages:
-        role = m.role if isinstance(m, ChatMessage) else m.type
+        role = message_role(m)
         if isinstance(m, AIMessage) and m.tool_calls:  # its text alone would hide the calls it made
             raise CacheBlendError("ChatCacheBlend cannot take an AI message with tool calls: tool calling is not "
                                   f"supported (calls {[c.get('name') for c in m.tool_calls]})")

@@ -38,14 +38,17 @@ class CacheBlendVectorStore(VectorStore):
         return self.vectorstore.embeddings
 
     # -- writes: precompute, then delegate -------------------------------------------------
-    def _precompute(self, texts: Sequence[str]) -> list[str]:
+    def _precompute(self, texts: Sequence[str]) -> list[str | None]:
+        """Each text's cache key; None for a blank text (an image-only PDF page): no passage
+        to reuse, and the rest of the batch is still added."""
         show = self.show_progress if self.show_progress is not None else len(texts) >= self.progress_min
-        return [self.llm.ingest([t])[0] for t in tqdm(texts, desc="cacheblend: precomputing KV", disable=not show)]
+        return [self.llm.ingest([t])[0] if t.strip() else None
+                for t in tqdm(texts, desc="cacheblend: precomputing KV", disable=not show)]
 
     def add_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
         keys = self._precompute([d.page_content for d in documents])
-        tagged = [Document(page_content=d.page_content, metadata={**d.metadata, CACHE_KEY: key}, id=d.id)
-                  for d, key in zip(documents, keys, strict=True)]
+        tagged = [Document(page_content=d.page_content, metadata={**d.metadata, CACHE_KEY: key} if key else d.metadata,
+                           id=d.id) for d, key in zip(documents, keys, strict=True)]
         return self.vectorstore.add_documents(tagged, **kwargs)
 
     def add_texts(self, texts: Iterable[str], metadatas: list[dict] | None = None, *,
@@ -61,7 +64,7 @@ class CacheBlendVectorStore(VectorStore):
     def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
         """Delete from the wrapped store and release the caches of the removed texts."""
         if ids:
-            gone = [d.page_content for d in self.vectorstore.get_by_ids(ids)]
+            gone = [d.page_content for d in self.vectorstore.get_by_ids(ids) if d.page_content.strip()]
             result = self.vectorstore.delete(ids, **kwargs)
             self.llm.release(gone)
             return result

@@ -77,18 +77,21 @@ def deltas(gen: GenerationRun) -> Iterator[tuple[str, str, dict | None]]:
 def document_texts(documents: Any) -> list[str]:
     """``documents=`` (strings, or LlamaIndex documents and nodes) as passage texts.  A node
     is read as synthesizers read it, ``get_content(metadata_mode=MetadataMode.LLM)``, which
-    is also the text :class:`CacheBlendKVTransform` caches."""
+    is also the text :class:`CacheBlendKVTransform` caches.  Blank texts are left out, as
+    the synthesizer and the transform leave out empty nodes."""
     if isinstance(documents, (str, BaseNode, NodeWithScore)):
         documents = [documents]
     out = []
     for d in documents:
         node = d.node if isinstance(d, NodeWithScore) else d
         if isinstance(node, BaseNode):
-            out.append(node.get_content(metadata_mode=MetadataMode.LLM))
+            text = node.get_content(metadata_mode=MetadataMode.LLM)
         elif isinstance(node, str):
-            out.append(node)
+            text = node
         else:
             raise CacheBlendError(f"documents must be strings or LlamaIndex documents/nodes, got {type(d).__name__}")
+        if text.strip():
+            out.append(text)
     return out
 
 
@@ -155,17 +158,29 @@ class CacheBlendLLM(CustomLLM):
 
     model_config = ConfigDict(extra="forbid")
     _engine: Backend = PrivateAttr()
+    _custom_engine: bool = PrivateAttr(default=False)
 
     def __init__(self, engine: Backend | None = None, **data: Any) -> None:
         """``engine``: use this engine instead of ``Engine.shared(model, store=store)`` (or,
         with ``base_url``, a :class:`RemoteEngine` on that server)."""
         super().__init__(**data)
+        self._custom_engine = engine is not None
         if engine is not None:
             self._engine = engine
         elif self.base_url:
             self._engine = RemoteEngine.shared(self.base_url, self.model, api_key=self.api_key)
         else:
             self._engine = Engine.shared(self.model, store=self.store)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``IngestionPipeline(num_workers=...)``, multiprocessing) without its
+        engine: the copy is built again from its fields and uses the shared engine for its
+        ``model`` and ``store`` (or ``base_url``).  A custom ``engine=`` cannot go along: it
+        would be swapped for that shared one without a word, so it is refused."""
+        if self._custom_engine:
+            raise TypeError("CacheBlendLLM(engine=...) cannot be pickled: an engine holds the model and locks. "
+                            "Build it with model=, store= or base_url= and each process gets its own engine")
+        return super().__getstate__()
 
     @model_validator(mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Sequence
 from typing import Any
 
+from llama_index.core import Settings
 from llama_index.core.base.llms.types import CompletionResponse
 from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
@@ -46,7 +47,10 @@ class CacheBlendSynthesizer(BaseSynthesizer):
 
     def __init__(self, llm: CacheBlendLLM | None = None, *, streaming: bool = False, system: str | None = None,
                  preamble: str = "", query_template: str = "{query_str}", **kwargs: Any) -> None:
-        llm = CacheBlendLLM() if llm is None else llm
+        if llm is None:  # LlamaIndex's convention: the global LLM (Settings.llm), if it is ours
+            # read without Settings.llm's getter, which would resolve LlamaIndex's default (OpenAI)
+            default = getattr(Settings, "_llm", None)
+            llm = default if isinstance(default, CacheBlendLLM) else CacheBlendLLM()
         if not isinstance(llm, CacheBlendLLM):
             raise CacheBlendError(f"CacheBlendSynthesizer needs a CacheBlendLLM, got {type(llm).__name__}")
         super().__init__(llm=llm, streaming=streaming, **kwargs)

@@ -1,0 +1,175 @@
+"""Framework conventions the adapters missed, each found in a review and failing before its
+fix: streamed message chunks kept in a chat history, LangChain's LLM cache, a retrieval
+chain's document variable, blank documents, the first async call, pickling and copying,
+LlamaIndex's ``Settings.llm``, and cancelling an async stream during its prefill.
+Real default model, short answers."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import pickle
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("langchain_cacheblend")
+pytest.importorskip("llama_index.llms.cacheblend")
+
+from langchain_cacheblend import CacheBlendVectorStore, ChatCacheBlend, create_cacheblend_retrieval_chain  # noqa: E402
+from langchain_cacheblend.vectorstores import CACHE_KEY  # noqa: E402
+from langchain_core.documents import Document  # noqa: E402
+from langchain_core.messages import AIMessageChunk, HumanMessage, HumanMessageChunk  # noqa: E402
+from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
+from langchain_core.runnables import RunnableLambda  # noqa: E402
+from llama_index.core import Settings  # noqa: E402
+from llama_index.llms.cacheblend import CacheBlendLLM, CacheBlendSynthesizer  # noqa: E402
+
+from cacheblend.aio import CallCancelled, iterate_in_thread, raise_if_cancelled  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+VIENNA = "Vienna is the capital of Austria. It lies on the Danube and has about two million people."
+
+
+def test_a_history_holding_streamed_chunks_is_taken(default_engine):
+    """``full = full + chunk`` over a stream gives an ``AIMessageChunk``, whose type is
+    ``"AIMessageChunk"``, not ``"ai"``: a chat history that kept it was refused."""
+    llm = ChatCacheBlend(engine=default_engine, max_tokens=2)
+    full = None
+    for chunk in llm.stream([HumanMessage("Say hello.")]):
+        full = chunk if full is None else full + chunk
+    assert isinstance(full, AIMessageChunk)
+    answer = llm.invoke([HumanMessageChunk("Say hello."), full, HumanMessage("Again.")])
+    assert answer.usage_metadata["output_tokens"] > 0
+
+
+def test_langchains_llm_cache_tells_differently_configured_models_apart(default_engine):
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import get_llm_cache, set_llm_cache
+
+    before = get_llm_cache()
+    set_llm_cache(InMemoryCache())
+    try:
+        short = ChatCacheBlend(engine=default_engine, max_tokens=1, ignore_eos=True)
+        long = ChatCacheBlend(engine=default_engine, max_tokens=5, ignore_eos=True)
+        assert short.invoke("Count to ten.").usage_metadata["output_tokens"] == 1
+        answer = long.invoke("Count to ten.")  # was the cached one-token answer of the other model
+        assert answer.usage_metadata["output_tokens"] == 5
+        assert long.invoke("Count to ten.").content == answer.content  # its own answer is cached
+    finally:
+        set_llm_cache(before)
+
+
+def test_the_retrieval_chain_takes_any_document_variable_name_and_blank_documents(default_engine):
+    """The chain read the documents from the prompt variable's name (``KeyError`` for any but
+    ``context``); a blank document (an image-only PDF page) failed the call."""
+    llm = ChatCacheBlend(engine=default_engine, max_tokens=3)
+    docs = [Document(page_content=VIENNA), Document(page_content="  \n")]
+    retriever = RunnableLambda(lambda question: docs)
+    prompt = ChatPromptTemplate.from_messages([("system", "Sources:\n\n{sources}"), ("human", "{input}")])
+    out = create_cacheblend_retrieval_chain(llm, retriever, prompt, document_variable_name="sources").invoke(
+        {"input": "What is the capital of Austria?"})
+    assert out["context"] == docs and out["answer"]
+    assert llm.invoke("Where is Vienna?", documents=docs).response_metadata["cacheblend"]["chunks"] == 1
+    store = CacheBlendVectorStore(_Store(), llm)
+    store.add_documents([Document(page_content=""), Document(page_content=VIENNA)])
+    assert [CACHE_KEY in d.metadata for d in store.vectorstore.docs] == [False, True]  # the batch went in whole
+
+
+class _Store:
+    """Enough of a vector store for ``CacheBlendVectorStore.add_documents``."""
+
+    def __init__(self) -> None:
+        self.docs: list[Document] = []
+
+    def add_documents(self, documents: list[Document], **kwargs) -> list[str]:
+        self.docs += documents
+        return [str(i) for i in range(len(documents))]
+
+
+def test_the_first_async_call_loads_the_model_off_the_event_loop(default_engine, monkeypatch):
+    """LangChain reads the tracing parameters on the event loop before ``ainvoke`` hands the
+    call to a thread; reading the model's name there loaded the default model (or connected
+    to ``base_url``) on the loop."""
+    import langchain_cacheblend.chat_models as chat_models
+
+    loaded_on: list[threading.Thread] = []
+
+    def shared(*args, **kwargs):
+        loaded_on.append(threading.current_thread())
+        return default_engine
+
+    def unreachable(*args, **kwargs):
+        loaded_on.append(threading.current_thread())
+        raise ConnectionError("no server here")
+
+    monkeypatch.setattr(chat_models.Engine, "shared", shared)
+    monkeypatch.setattr(chat_models.RemoteEngine, "shared", unreachable)
+    answer = asyncio.run(ChatCacheBlend(max_tokens=2).ainvoke("Hi"))
+    assert answer.usage_metadata["output_tokens"] > 0
+    with pytest.raises(ConnectionError):
+        asyncio.run(ChatCacheBlend(base_url="http://127.0.0.1:9/v1", max_retries=0).ainvoke("Hi"))
+    assert len(loaded_on) == 2 and threading.main_thread() not in loaded_on
+
+
+def test_pickled_or_copied_models_leave_the_engine_behind_or_share_it(default_engine, monkeypatch):
+    import langchain_cacheblend.chat_models as chat_models
+
+    monkeypatch.setattr(chat_models.Engine, "shared", lambda *args, **kwargs: default_engine)
+    llm = ChatCacheBlend(max_tokens=2, stop=["\n"])
+    llm.invoke("Hi")  # its engine is loaded: it holds locks
+    again = pickle.loads(pickle.dumps(llm))
+    assert (again.max_tokens, again.stop) == (2, ["\n"]) and again.invoke("Hi").content == llm.invoke("Hi").content
+    bound = ChatCacheBlend(engine=default_engine, max_tokens=3)
+    twin = copy.deepcopy(bound)
+    assert twin.engine is default_engine and twin.max_tokens == 3
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(bound)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(CacheBlendLLM(engine=default_engine))
+    plain = pickle.loads(pickle.dumps(CacheBlendLLM(max_tokens=4)))
+    assert plain.max_tokens == 4 and plain.engine is not None
+
+
+def test_the_synthesizer_answers_with_settings_llm_when_it_is_ours(default_engine, monkeypatch):
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    ours = CacheBlendLLM(engine=default_engine, max_tokens=1, ignore_eos=True)
+    monkeypatch.setattr(Settings, "_llm", ours)  # Settings.llm = ours, undone after the test
+    response = CacheBlendSynthesizer().synthesize("Where is Vienna?", [NodeWithScore(node=TextNode(text=VIENNA))])
+    assert response.metadata["cacheblend"]["new_tokens"] == 1  # ours; the default model answers up to 128
+
+
+def test_cancelling_an_async_stream_stops_the_step_under_way():
+    """The first item of a stream is the whole prefill: a consumer cancelled then waited for
+    the step to end (the flag that stops it between layers was never set)."""
+    stopped: list[float] = []
+
+    def make():
+        def prefill():
+            until = time.monotonic() + 30
+            try:
+                while time.monotonic() < until:  # a long prefill, checking between layers
+                    raise_if_cancelled()
+                    time.sleep(0.01)
+            except CallCancelled:
+                stopped.append(time.monotonic())
+                raise
+            yield "never"
+
+        return prefill()
+
+    async def consume():
+        async for _ in iterate_in_thread(make):
+            pass
+
+    async def give_up():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(consume(), timeout=0.3)
+
+    t0 = time.monotonic()
+    asyncio.run(give_up())
+    assert stopped and stopped[0] - t0 < 5 and time.monotonic() - t0 < 5
+    assert threading.active_count() < 50
