@@ -157,3 +157,52 @@ def test_with_vllms_prefix_caching_on_blending_is_off(default_model_dir, caplog)
                              prefix_caching=True)
     assert side.loaded_tokens(_request("r", list(range(100)), {"chunks": [[10, 50]]}), 0) == 0
     assert "prefix caching" in caplog.text
+
+
+@pytest.mark.parametrize("field, value", [("lora_request", object()), ("prompt_embeds", object()),
+                                          ("pooling_params", object())])
+def test_a_request_whose_kv_is_not_the_base_models_is_never_blended_nor_saved(default_model_dir, field, value):
+    """A LoRA adapter's K/V are not the base model's chunk caches (and an ingest under one
+    stored the adapter's K/V under the base model's key); embeddings in a prompt sit where
+    its ids hold placeholders; vLLM cannot pool a request it computed one token of."""
+    side = _side(default_model_dir)
+    assert side.loaded_tokens(_request("r", list(range(100)), {"chunks": [[10, 50]]}, **{field: value}), 0) == 0
+    for extra in ({field: value}, {}):
+        ingest = _request("i", list(range(100)), {"cacheblend": "ingest", "sink": 3}, **extra)
+        side.after_alloc(ingest, 0)
+        new = SimpleNamespace(req_id="i", prompt_token_ids=list(range(100)), block_ids=[list(range(7))],
+                              num_computed_tokens=0)
+        meta = side.build_meta(SimpleNamespace(scheduled_new_reqs=[new], num_scheduled_tokens={"i": 100},
+                                               scheduled_cached_reqs=SimpleNamespace(req_ids=[])))
+        assert len(meta.saves) == (0 if extra else 1)  # saved for the base model only
+        side.finished(ingest)
+
+
+def test_a_server_with_lora_or_a_pooling_model_runs_as_plain_vllm(default_model_dir, caplog):
+    """With LoRA on, the layers the worker adopts are LoRA wrappers that apply the step's
+    adapter mapping to any rows; a pooling model scores whole prompts."""
+    from cacheblend.integrations.vllm import _unsupported
+
+    model = SimpleNamespace(runner_type="generate")
+    assert _unsupported(SimpleNamespace(lora_config=None, model_config=model)) is None
+    assert "LoRA" in _unsupported(SimpleNamespace(lora_config=object(), model_config=model))
+    assert "pooling" in _unsupported(SimpleNamespace(lora_config=None, model_config=SimpleNamespace(
+        runner_type="pooling")))
+    with caplog.at_level(logging.WARNING, logger="vllm.cacheblend"):
+        side = SchedulerSide(ConnectorConfig.parse({"store": "memory"}), model_dir=str(default_model_dir),
+                             block_size=16, num_layers=30, chunk_sink="frame", connector="CacheBlendConnector",
+                             unsupported="LoRA is enabled")
+    assert side.loaded_tokens(_request("r", list(range(100)), {"chunks": [[10, 50]]}), 0) == 0
+    assert "blending is OFF" in caplog.text and "LoRA" in caplog.text
+
+
+def test_a_stats_file_that_cannot_be_written_never_stops_the_engine(tmp_path, caplog):
+    """The load's stats line was appended outside the step's error handling: a full disk or
+    a removed folder raised inside ``start_load_kv``, which stops vLLM's engine."""
+    from cacheblend.integrations.vllm_worker import append_stats
+
+    with caplog.at_level(logging.WARNING, logger="vllm.cacheblend"):
+        append_stats(str(tmp_path / "gone" / "stats.jsonl"), {"op": "load"})
+    assert "cannot append to the stats file" in caplog.text
+    append_stats(str(tmp_path / "stats.jsonl"), {"op": "load"})
+    assert (tmp_path / "stats.jsonl").read_text() == '{"op": "load"}\n'

@@ -81,7 +81,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
                                        num_layers=model.get_total_num_hidden_layers(), chunk_sink=chunk_sink,
                                        connector=type(self).__name__,
                                        prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
-                                       exact_behind_sink=exact_behind_sink, receipts=receipts)
+                                       exact_behind_sink=exact_behind_sink, receipts=receipts,
+                                       unsupported=_unsupported(vllm_config))
         self.worker = WorkerSide(config, model_dir=model.model, dtype=model.dtype, chunk_sink=chunk_sink,
                                  block_size=block_size, vllm_config=vllm_config, kv_cache_config=kv_cache_config)
 
@@ -141,3 +142,15 @@ class CacheBlendConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, CacheBlendMeta):
             self.worker.save_all(meta)
+
+
+def _unsupported(vllm_config: Any) -> str | None:
+    """A server feature the worker's fused prefill cannot follow, or None.  With LoRA on,
+    the model's layers the worker adopts are LoRA wrappers that apply the step's adapter
+    mapping to whatever rows pass through them; a pooling model scores whole prompts."""
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return "LoRA is enabled (the worker's prefill would run through vLLM's LoRA layers)"
+    if getattr(vllm_config.model_config, "runner_type", None) == "pooling":
+        return "the model runs as a pooling model (embed, classify, score)"
+    return None
+

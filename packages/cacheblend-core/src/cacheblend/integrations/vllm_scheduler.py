@@ -31,7 +31,8 @@ class SchedulerSide:
 
     def __init__(self, config: ConnectorConfig, *, model_dir: str, block_size: int, num_layers: int,
                  chunk_sink: str, connector: str, prefix_caching: bool = False,
-                 exact_behind_sink: bool = True, receipts: ReceiptBox | None = None) -> None:
+                 exact_behind_sink: bool = True, receipts: ReceiptBox | None = None,
+                 unsupported: str | None = None) -> None:
         self.config = config
         self.model_dir = model_dir
         self.min_tokens = config.min_tokens if config.min_tokens is not None else 2 * block_size
@@ -53,6 +54,9 @@ class SchedulerSide:
         self.blending_off: str | None = None  # why, when a worker's layout self-check failed
         if prefix_caching:  # vLLM would keep blended blocks in its prefix cache and reuse them as exact
             self.blending_off = "vLLM's prefix caching is on (start vLLM with enable_prefix_caching=False)"
+        elif unsupported:  # a server feature the worker's fused prefill cannot follow (vllm.py says which)
+            self.blending_off = unsupported
+        if self.blending_off is not None:
             log.warning("CacheBlend: blending is OFF, every request runs as plain vLLM: %s", self.blending_off)
 
     def _get_matcher(self) -> ChunkMatcher:
@@ -124,7 +128,8 @@ class SchedulerSide:
         needs every prompt position computed (prompt logprobs, ``echo`` scoring, pooling):
         vLLM skips its own prefix cache for those, and a blend would leave them incomplete."""
         n = len(request.prompt_token_ids or [])
-        if self.blending_off is not None or _every_position(request) or not self._engaged(request):
+        if self.blending_off is not None or _every_position(request) or _not_base_tokens(request) \
+                or not self._engaged(request):
             return 0
         return max(0, n - 1 - num_computed_tokens)
 
@@ -136,7 +141,9 @@ class SchedulerSide:
         """Note what the request's step must do: an operation, or a blend into its blocks."""
         ids = list(request.prompt_token_ids or [])
         hints = self.params(request)
-        if hints is not None and hints.op == "ingest" and hints.sink is not None and hints.sink < len(ids):
+        if hints is not None and hints.op == "ingest" and (why := _not_base_tokens(request)):
+            log.warning("CacheBlend: ingest request %s is not saved: %s", request.request_id, why)
+        elif hints is not None and hints.op == "ingest" and hints.sink is not None and hints.sink < len(ids):
             self._ops[request.request_id] = ("ingest", hints.sink)
         elif hints is not None and hints.op == "release" and hints.ids is not None:
             self._ops[request.request_id] = ("release", list(hints.ids))
@@ -249,6 +256,21 @@ class SchedulerSide:
         for marker, tag in self._awaiting.values():  # a receipt comes in the step that blended it, or never
             self._keep(tag, marker)
         self._awaiting.clear()
+
+
+def _not_base_tokens(request: Any) -> str | None:
+    """Why the base model's K/V of ``request``'s token ids are not what vLLM computes for
+    it, or None.  A LoRA adapter changes them (a chunk cache holds the base model's, and an
+    ingest would store the adapter's under the base model's key); embeddings given in the
+    prompt sit where its token ids hold placeholders; a pooling request (embed, classify)
+    is scored over its whole prompt by vLLM, which cannot pool one computed token."""
+    if getattr(request, "lora_request", None) is not None:
+        return "it runs a LoRA adapter"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "its prompt holds embeddings"
+    if getattr(request, "pooling_params", None) is not None:
+        return "it is a pooling request"
+    return None
 
 
 def _every_position(request: Any) -> bool:

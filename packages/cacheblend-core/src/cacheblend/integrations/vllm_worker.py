@@ -40,6 +40,16 @@ log = logging.getLogger("vllm.cacheblend")  # under "vllm", so vLLM's log handle
 _LOCK = threading.Lock()  # one stats line at a time
 
 
+def append_stats(path: str, stats: dict[str, Any]) -> None:
+    """Append one JSON line to the connector's ``stats`` file.  A file that cannot be written
+    is logged, never raised: this runs inside vLLM's step, and an exception would stop the engine."""
+    try:
+        with _LOCK, open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(stats) + "\n")
+    except OSError as e:
+        log.warning("CacheBlend: cannot append to the stats file %s (%s)", path, e)
+
+
 class WorkerSide:
     """The worker's engine, its view of vLLM's paged caches, and this step's receipts."""
 
@@ -130,8 +140,7 @@ class WorkerSide:
     def _record(self, stats: dict[str, Any]) -> None:
         log.info("CacheBlend %s", stats)
         if self.config.stats:
-            with _LOCK, open(self.config.stats, "a", encoding="utf-8") as f:
-                f.write(json.dumps(stats) + "\n")
+            append_stats(self.config.stats, stats)
 
     def _save(self, save: ChunkSave) -> None:
         """Store vLLM's K/V of an ingest request's chunk as the core's entry: keys rotated
