@@ -210,6 +210,41 @@ def test_a_chunk_released_while_its_hint_is_computed_stays_released(default_mode
     assert all(engine.store.get(h.key) is None for h in handles)
 
 
+def test_a_chunk_released_while_it_is_learned_in_the_background_stays_released(default_model_dir, tmp_path):
+    """A passage first seen in a prompt is stored by a background job; a release that came
+    before the job stored it (the document was deleted meanwhile) was undone by the job."""
+    import time
+
+    model = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    engine = Engine.load(model, store="memory")
+    engine.learn_min_chars = 60
+    slow = engine.chunks.precompute
+
+    def precompute_slowly(ids):
+        time.sleep(0.5)  # the release lands here
+        return slow(ids)
+
+    engine.chunks.precompute = precompute_slowly
+    messages = [{"role": "user", "content": f"{PASSAGES[0]}\n\nQuestion: {QUERY}"}]
+    gen = engine.start_chat(messages, max_new_tokens=1)
+    "".join(gen.pieces)
+    assert gen.result.stats.chunks_learned == 1
+    assert engine.release(PASSAGES[0]) == 1  # the job's entry, once it has landed
+    engine.chunks.wait_learning()
+    assert engine.store.get(engine.handle(PASSAGES[0]).key) is None
+
+
+def test_a_handle_without_the_trailing_separator_releases_the_entry_that_serves_it(default_model_dir, tmp_path):
+    """A chunk's entry is stored under the key of its ids plus the chunk separator; a handle
+    of the ids alone (token spans, the vLLM worker's releases) deleted a key nothing used."""
+    model = make_tiny_model(tmp_path / "m", "llama", default_model_dir)
+    engine = Engine.load(model, store="memory")
+    (stored,) = engine.ingest([PASSAGES[1]])
+    sep = len(engine.chunks.separator)
+    bare = engine.chunks.handle(list(stored.token_ids)[:-sep]) if sep else stored
+    assert engine.chunks.release(bare) and engine.store.get(stored.key) is None
+
+
 def test_an_entry_the_store_did_not_take_is_tried_again_after_the_retry_interval():
     """A hint the store refused (read-only) is not retried on every prompt, but is tried
     again once the retry interval has passed, so a store that becomes writable gets it."""

@@ -114,6 +114,26 @@ def test_an_empty_key_is_refused_and_a_key_spelled_otherwise_is_still_the_key(tm
     assert "hunter2" not in str(e.value)
 
 
+def test_secrets_with_commas_are_whole_and_errors_never_show_a_password(tmp_path, monkeypatch):
+    """The spec was split at every comma: ``key=a,b`` signed with ``a`` and printed ``b``
+    as an unknown tier; redis-py's error for ``redis://:se,cret@host`` quoted the password;
+    an upper-case scheme was an unknown tier, printed whole."""
+    import traceback
+
+    monkeypatch.delenv("CACHEBLEND_STORE_KEY", raising=False)
+    store = open_store(f"disk:{tmp_path},key=hunter,2")
+    assert store.signer is not None and store.put(KEY, _chunk())
+    assert DiskStore(tmp_path, signer=Signer("hunter,2")).open(KEY) is not None  # signed with the whole key
+    assert DiskStore(tmp_path, signer=Signer("hunter")).open(KEY) is None
+    assert type(open_store("REDIS://:pw@127.0.0.1:1/0")).__name__ == "RedisStore"  # no connection yet
+    for spec in ("redis://:Zq7,Wk9@host:x/0", "REDIS://:Zq7:Wk9@host:port/0", "nope://:Zq7Wk9@host,key=hunter2",
+                 "memory,bogus,key=hunter2,3"):
+        with pytest.raises(ValueError) as e:
+            open_store(spec)
+        shown = "".join(traceback.format_exception(e.value))
+        assert all(s not in shown for s in ("Zq7", "Wk9", "hunter2")), shown
+
+
 # -- namespaces --------------------------------------------------------------------------
 def test_namespaces_isolate_entries_and_registries(tmp_path, redis_server):
     for spec in (f"disk:{tmp_path}", redis_server.url):
@@ -179,3 +199,30 @@ def test_sizes_must_be_finite_and_positive():
         with pytest.raises(ValueError, match="size"):
             open_store(f"memory:{bad}")
     assert parse_size("1.5KB") == 1500
+
+
+def _retag(path, old: bytes, new: bytes) -> None:
+    """Rewrite a safetensors file's tensor dtypes in its header (same width: the bytes and
+    the signed metadata stay as they were)."""
+    data = bytearray(path.read_bytes())
+    size = int.from_bytes(data[:8], "little")
+    header = bytes(data[8:8 + size])
+    assert old in header
+    data[8:8 + size] = header.replace(old, new)
+    path.write_bytes(bytes(data))
+
+
+def test_a_signed_entry_read_as_another_dtype_is_rejected(tmp_path):
+    """The signature covers the header's metadata and the digests hash raw bytes: a writer
+    without the key could relabel the tensors F32 -> I32 (or BF16 -> F16) and the entry was
+    served as garbage of that dtype."""
+    from cacheblend.store import CorruptEntry
+
+    store = DiskStore(tmp_path / "kv", signer=Signer("s3cret"))
+    assert store.put(KEY, _chunk())
+    (path,) = [p for p in (tmp_path / "kv").rglob("*.safetensors")]
+    _retag(path, b'"F32"', b'"I32"')
+    source = store.open(KEY)
+    with pytest.raises(CorruptEntry, match="dtype"):
+        source.layer(0)
+    assert store.open(KEY) is None  # condemned: recomputed next time, never served

@@ -183,14 +183,20 @@ class ChunkCache:
     def release(self, handle: ChunkHandle) -> bool:
         """Delete the chunk's entry from every tier (exact key only); whether one was stored.
 
-        A hint backfill of the entry (read, hint computed, written back) that ran across the
-        delete used to write it back: released chunks came back.  Under the lock no prefill
-        reads the entry, so no new backfill is queued between the wait and the delete."""
+        A hint backfill of the entry (read, hint computed, written back) or a chunk learned
+        from a prompt and stored in the background, running across the delete, used to
+        write it back: released chunks came back.  Under the lock no prefill reads the
+        entry, so no new backfill is queued between the wait and the delete."""
         if not is_entry_key(handle.key):
             raise CacheBlendError(f"release takes a chunk key (64 hex digits), got {handle.key!r:.80}")
+        # the entry that serves a handle without the trailing separator is stored under
+        # another key (:meth:`_entry`): both go
+        keys = dict.fromkeys([handle.key, self._entry(handle)[0] if handle.token_ids else handle.key])
         with self.lock:
-            self._hinting.wait(self._entry(handle)[0] if handle.token_ids else handle.key)  # backfills go by entry
-            return bool(self.store.delete(handle.key))
+            self._learning.wait(handle.key)
+            for key in keys:
+                self._hinting.wait(key)  # backfills go by entry
+            return any([self.store.delete(key) for key in keys])
 
     def _prefill_kv(self, ids: list[int], keep_from: int = 0) -> ChunkKV:
         shape = self.decoder.shape
@@ -314,8 +320,11 @@ class ChunkCache:
             shape = self.decoder.shape
             model = source.meta.get("model")
             fits = source.num_layers == shape.num_layers and model in (None, self.fingerprint)
+            # the key's policy names the stored dtype (prefixes: the model's): another is not this entry's
+            dtype = shape.dtype if source.meta.get("policy") == PREFIX_POLICY else self.kv_dtype
+            fits = fits and source.meta.get("dtype", str(dtype)) == str(dtype)
             if isinstance(source, ChunkKV):  # in memory: check the shape now, read nothing
-                fits = fits and source.k.shape[1::2] == (shape.num_kv_heads, shape.head_dim)
+                fits = fits and source.k.shape[1::2] == (shape.num_kv_heads, shape.head_dim) and source.k.dtype == dtype
             if source.num_tokens == num_tokens and fits:
                 counter.hits += 1
                 if isinstance(source, ChunkKV):

@@ -14,7 +14,7 @@ from .disk import DiskStore, NotAStore
 from .entry import ChunkKV, CorruptEntry, LayerSource
 from .memory import MemoryStore
 from .signing import KEY_ENV, Signer
-from .spec import DEFAULT_DISK, DEFAULT_MEMORY, StoreOptions, is_size, parse_size, split_spec
+from .spec import DEFAULT_DISK, DEFAULT_MEMORY, StoreOptions, hide_secrets, is_size, parse_size, split_spec
 from .tiered import Tier, TieredStore
 
 __all__ = ["DEFAULT_DISK", "DEFAULT_MEMORY", "KEY_ENV", "ChunkKV", "CorruptEntry", "DiskStore", "LayerSource",
@@ -53,11 +53,16 @@ def open_store(spec: str | Tier | None, *, create: bool = True) -> Tier:
 
 
 def _tier(spec: str, options: StoreOptions, create: bool) -> Tier:
-    if spec.startswith(("redis://", "rediss://", "unix://")):
+    if spec.lower().startswith(("redis://", "rediss://", "unix://")):
         from .redis_tier import RedisStore
 
-        return RedisStore(spec, prefix=options.redis_prefix, signer=options.signer)
+        try:
+            return RedisStore(spec, prefix=options.redis_prefix, signer=options.signer)
+        except ValueError:  # redis-py's message quotes pieces of the URL: its password too
+            raise ValueError(f"cannot read the Redis URL {hide_secrets(spec)!r} (write ',' '@' ':' '/' in a "
+                             "password %-encoded)") from None
     kind, _, arg = spec.partition(":")
+    kind = kind.lower()
     if kind == "memory":
         return MemoryStore(parse_size(arg) if arg else None)
     if kind == "disk":
@@ -67,6 +72,6 @@ def _tier(spec: str, options: StoreOptions, create: bool) -> Tier:
         path, capacity = (path, parse_size(size)) if path and is_size(size) else (arg, None)
         return DiskStore(path, capacity, namespace=options.namespace, signer=options.signer, create=create)
     raise ValueError(
-        f"unknown store tier {spec!r}; known: 'memory[:SIZE]', 'disk:PATH[:SIZE]', 'redis://HOST:PORT/DB', "
-        "and the options 'namespace=NAME', 'key=SECRET'"
+        f"unknown store tier {hide_secrets(spec)!r}; known: 'memory[:SIZE]', 'disk:PATH[:SIZE]', "
+        "'redis://HOST:PORT/DB', and the options 'namespace=NAME', 'key=SECRET'"
     )

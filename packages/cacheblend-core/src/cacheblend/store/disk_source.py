@@ -72,9 +72,12 @@ class DiskSource:
             raise CorruptEntry(f"{self.key}: layer {index} unreadable: {e}") from e
         self._shape = self._shape or tuple(k.shape)
         ok = k.dim() == 3 and k.shape == v.shape == self._shape and k.shape[1] == self.num_tokens
+        # The signature covers the header's metadata, not each tensor's dtype (safetensors
+        # keeps it beside), and the digests hash bytes: the signed dtype must be the one read.
+        ok = ok and str(k.dtype) == str(v.dtype) == self.meta.get("dtype")
         if not ok or layer_digest(k, v, self._algorithm) != self._digests[index]:
             self._store.condemn(self.key)
-            raise CorruptEntry(f"{self.key}: layer {index} fails its checksum or shape")
+            raise CorruptEntry(f"{self.key}: layer {index} fails its checksum, shape or dtype")
         return k, v
 
 

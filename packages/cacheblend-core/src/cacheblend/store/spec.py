@@ -10,6 +10,10 @@ may be listed among them and apply to every tier:
 - ``key=SECRET``: sign every entry and reject unsigned ones (see :mod:`.signing`);
   ``CACHEBLEND_STORE_KEY`` in the environment does the same without putting the
   secret in the spec.
+
+Parts are split at commas followed by a tier or an option (``memory``, ``disk:``,
+``redis://``, ``namespace=``, ``key=``), so a secret or a Redis password may hold commas.
+Error messages never show a secret: a ``key=`` value and a URL's user info read ``***``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ DEFAULT_DISK = "20GB"
 REDIS_PREFIX = "cacheblend"
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 _OPTIONS = ("namespace", "key")
+_PART_START = r"(?:memory\b|disk:|rediss?://|unix://|namespace\s*=|key\s*=)"
+_SPLIT = re.compile(rf",(?=\s*{_PART_START})", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,7 @@ def split_spec(spec: str) -> tuple[list[str], StoreOptions]:
     """The tier specs of ``spec`` and its options (the key from the environment if the
     spec has none)."""
     tiers, options = [], {}
-    for part in (p.strip() for p in spec.split(",")):
+    for part in (p.strip() for p in _SPLIT.split(spec)):
         name, eq, value = part.partition("=")
         name = name.strip().lower()  # "KEY = s" is the key too, never a tier name shown in an error
         if eq and name in _OPTIONS:
@@ -67,15 +73,17 @@ def split_spec(spec: str) -> tuple[list[str], StoreOptions]:
         elif part:
             tiers.append(part)
     if not tiers:
-        raise ValueError(f"store spec {_safe(spec)!r} names no tier")
+        raise ValueError(f"store spec {hide_secrets(spec)!r} names no tier")
     secret = options.get("key") or os.environ.get(KEY_ENV) or None
     namespace = check_namespace(options["namespace"]) if "namespace" in options else None
     return tiers, StoreOptions(namespace, Signer(secret) if secret else None)
 
 
-def _safe(spec: str) -> str:
-    """``spec`` with a ``key=`` secret hidden (for error messages)."""
-    return re.sub(r"(^|,)\s*key\s*=[^,]*", r"\1key=***", spec, flags=re.IGNORECASE)
+def hide_secrets(text: str) -> str:
+    """``text`` (a spec, or one tier of it) with a ``key=`` secret and a URL's user info
+    (a Redis password) shown as ``***``, for error messages and logs."""
+    text = re.sub(rf"(^|,)\s*key\s*=.*?(?=,\s*{_PART_START}|$)", r"\1key=***", text, flags=re.IGNORECASE | re.DOTALL)
+    return re.sub(r"//[^/@\s]*@", "//***@", text)
 
 
 def is_size(text: str) -> bool:

@@ -176,8 +176,10 @@ class TieredStore:
 
     # -- writes --------------------------------------------------------------------
     def put(self, key: str, kv: ChunkKV) -> bool:
-        first = self.tiers[0].put(key, kv)
+        # counted as queued before the first tier is written: a delete that sees the entry
+        # there must also see the writes to come, and skip them
         generation = self._deletions.queued(key, len(self.tiers) - 1 if self._queue is not None else 0)
+        first = self.tiers[0].put(key, kv)
         for tier in self.tiers[1:]:
             if self._queue is not None:
                 self._queue.put((tier, key, kv, generation))
