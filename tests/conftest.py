@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -187,3 +189,18 @@ def kill_mid_write(writer: str, root, temp_glob: str) -> None:
         time.sleep(0.005)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+@contextlib.contextmanager
+def immutable(*paths):
+    """Make paths read-only even for root (``chattr +i``), as a read-only mount would."""
+    done = []
+    try:
+        for p in paths:
+            if subprocess.run(["chattr", "+i", str(p)], capture_output=True).returncode != 0:
+                pytest.skip("chattr +i is not available here (needs root on ext4/xfs)")
+            done.append(p)
+        yield
+    finally:
+        for p in done:
+            subprocess.run(["chattr", "-i", str(p)], capture_output=True)

@@ -5,7 +5,6 @@ test_store_failing_disk.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ import torch
 
 from cacheblend import Engine
 from cacheblend.store import ChunkKV, DiskStore, MemoryStore, TieredStore
-from conftest import PASSAGES, QUERY, make_tiny_model
+from conftest import PASSAGES, QUERY, immutable, make_tiny_model
 
 GEN = dict(max_new_tokens=6)
 KEY = "ab" + "5" * 62
@@ -42,21 +41,6 @@ def _kv(seed=0, tokens=50, learned=False):
 
 def _key(i: int) -> str:
     return f"{i + 1:064x}"
-
-
-@contextlib.contextmanager
-def immutable(*paths):
-    """Make paths read-only even for root (``chattr +i``), as a read-only mount would."""
-    done = []
-    try:
-        for p in paths:
-            if subprocess.run(["chattr", "+i", str(p)], capture_output=True).returncode != 0:
-                pytest.skip("chattr +i is not available here (needs root on ext4/xfs)")
-            done.append(p)
-        yield
-    finally:
-        for p in done:
-            subprocess.run(["chattr", "-i", str(p)], capture_output=True)
 
 
 # -- 7. the index ------------------------------------------------------------------------

@@ -17,6 +17,7 @@ No pickle anywhere: safetensors and SQLite only.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -231,7 +232,7 @@ class DiskStore:
         if cap is not None and size > cap:
             return False
 
-        def reserve(db: sqlite3.Connection) -> list[str]:
+        def reserve(db: sqlite3.Connection) -> list[str] | None:
             evicted: list[str] = []
             db.execute("DELETE FROM entries WHERE key = ?", (key,))
             if cap is not None:
@@ -239,16 +240,22 @@ class DiskStore:
                 for old, nbytes in db.execute("SELECT key, bytes FROM entries ORDER BY learned DESC, used").fetchall():
                     if total + size <= cap:
                         break
+                    # files go inside the transaction: no overshoot on disk; one this process
+                    # cannot delete (another user's folder) stays, indexed and counted
+                    if self._unlink(old) is None:
+                        continue
                     db.execute("DELETE FROM entries WHERE key = ?", (old,))
                     evicted.append(old)
                     total -= nbytes
+                if total + size > cap:
+                    return None  # no room that this process can make: the write is skipped
             db.execute("INSERT INTO entries (key, bytes, used, learned, tokens) VALUES (?, ?, ?, ?, ?)",
                        (key, size, time.time(), int(learned), tokens))
-            for old in evicted:  # files go inside the transaction: no overshoot on disk
-                self._unlink(old)
             return evicted
 
         evicted = self.index.transaction(reserve)
+        if evicted is None:
+            return False
         self.evictions += len(evicted)  # type: ignore[arg-type]
         return True
 
@@ -265,7 +272,10 @@ class DiskStore:
 
         return bool(self.index.transaction(publish))
 
-    def _unlink(self, key: str) -> bool:
+    def _unlink(self, key: str) -> bool | None:
+        """Remove ``key``'s file: True if removed, False if there was none (or it sits behind
+        a symlinked folder, never followed), None if it cannot be removed (a folder of
+        another user's): the caller then keeps its index row, and nothing is raised."""
         path = self.path(key)
         if path.parent.is_symlink():
             return False
@@ -274,18 +284,41 @@ class DiskStore:
             return True
         except FileNotFoundError:
             return False
+        except OSError as e:
+            self.last_error = f"cannot delete {path.name}: {e}"
+            log.warning("disk tier: %s", self.last_error)
+            return None
 
     def delete(self, key: str) -> bool:
-        self.index.write("DELETE FROM entries WHERE key = ?", (key,))
-        return False if self.index.read_only else self._unlink(key)
+        """Remove the entry's file and its row in one write transaction (a writer's
+        ``_publish`` is one too, so no file is left outside the index); an entry this process
+        cannot delete keeps its row.  False when nothing was removed."""
+        if self.index.read_only:
+            return False
+
+        def drop(db: sqlite3.Connection) -> bool:
+            removed = self._unlink(key)
+            if removed is not None:
+                db.execute("DELETE FROM entries WHERE key = ?", (key,))
+            return bool(removed)
+
+        try:
+            return bool(self.index.transaction(drop))
+        except IndexUnwritable:
+            return False
 
     def clear(self) -> None:
-        """Delete every entry file of this store (and nothing else) and its index rows."""
+        """Delete every entry file of this store (and nothing else) and its index rows, in
+        one write transaction: a write landing meanwhile would keep a file without a row."""
         if self.index.read_only:
             raise PermissionError(f"disk store {self.root} is read-only: {self.index.problem}")
-        for _, path in self.files()[0]:
-            path.unlink(missing_ok=True)
-        self.index.write("DELETE FROM entries")
+
+        def wipe(db: sqlite3.Connection) -> None:
+            for _, path in self.files()[0]:
+                path.unlink(missing_ok=True)
+            db.execute("DELETE FROM entries")
+
+        self.index.transaction(wipe)
 
     # -- maintenance ---------------------------------------------------------------
     def reclaim(self, min_age_s: float = 2.0) -> int:
@@ -325,9 +358,16 @@ class DiskStore:
         busy, now = in_flight(self.root), time.time()
         rows = self.index.sql("SELECT key, used FROM entries")
         stale = [k for k, used in rows if now - used >= min_age_s and k not in busy and self._gone(k)]
-        for k in stale:
-            self.index.write("DELETE FROM entries WHERE key = ?", (k,))
-        return len(stale)
+
+        def drop_if_gone(db: sqlite3.Connection, key: str) -> bool:
+            # checked again inside the write transaction: a writer that published the file
+            # since (``_publish`` is a write transaction too) keeps its row
+            if not self._gone(key):
+                return False
+            db.execute("DELETE FROM entries WHERE key = ?", (key,))
+            return True
+
+        return sum(bool(self.index.transaction(functools.partial(drop_if_gone, key=k))) for k in stale)
 
     def stats(self) -> dict:
         learned, tokens, counted = self.index.sql(

@@ -133,10 +133,14 @@ class DiskIndex:
 
     @staticmethod
     def _fill(db: sqlite3.Connection, rows: Iterable[Row]) -> int:
+        """Add the rows read from the entry files' headers.  Rows already there stay as they
+        are: the headers were read before this transaction, and another process may have
+        written (or evicted and rewritten) an entry since; wiping the table first lost those
+        rows and left their files outside the index, uncounted and never evicted.  Rows
+        whose file is gone are dropped by ``gc``."""
         rows = list(rows)
         db.execute("BEGIN IMMEDIATE")
-        db.execute("DELETE FROM entries")
-        db.executemany("INSERT OR REPLACE INTO entries (key, bytes, used, learned, tokens) VALUES (?, ?, ?, ?, ?)",
+        db.executemany("INSERT OR IGNORE INTO entries (key, bytes, used, learned, tokens) VALUES (?, ?, ?, ?, ?)",
                        rows)
         db.execute("COMMIT")
         return len(rows)
