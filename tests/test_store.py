@@ -103,6 +103,23 @@ def test_entries_are_checked_with_blake3_and_older_sha256_entries_still_served(t
     assert store.get(KEY_A) is None and store.corrupt == 1
 
 
+@pytest.mark.parametrize("change", [{"layer_digests": "DICT"}, {"layers": "0", "layer_digests": "[]"}])
+def test_a_header_damaged_into_another_shape_is_dropped_not_raised(tmp_path, change):
+    """Digests as a dict raised KeyError out of the read, into the request; no layers at
+    all crashed ``verify`` (an unsigned store trusts its headers' shape)."""
+    from safetensors.torch import save_file
+
+    store = DiskStore(tmp_path)
+    store.put(KEY_A, _kv())
+    with safe_open(store.path(KEY_A), framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {n: f.get_tensor(n) for n in f.keys()}
+    if change["layer_digests"] == "DICT":  # as many digests as layers, keyed by number
+        change = {"layer_digests": json.dumps(dict(enumerate(json.loads(meta["layer_digests"]))))}
+    save_file(tensors, store.path(KEY_A), metadata=meta | change)
+    assert store.get(KEY_A) is None and store.corrupt == 1
+    assert store.verify()["stale_index_rows"] == 0
+
+
 def test_an_entry_naming_an_unknown_digest_is_dropped_not_served(tmp_path):
     store = DiskStore(tmp_path)
     store.put(KEY_A, _kv())

@@ -43,7 +43,10 @@ class DiskSource:
             self.num_tokens = int(meta["tokens"])
             self._algorithm, digests_field = digest_of(meta)
             self._digests = json.loads(meta[digests_field])
-            ok = ok and len(self._digests) == self.num_layers
+            # a header damaged into another shape (a dict of digests, no layers) is damage,
+            # never an exception in the request that reads it
+            ok = ok and isinstance(self._digests, list) and all(isinstance(d, str) for d in self._digests)
+            ok = ok and self.num_layers >= 1 and self.num_tokens >= 1 and len(self._digests) == self.num_layers
         except Exception as e:  # unreadable header: truncated, overwritten, foreign
             raise CorruptEntry(f"{path}: {e}") from e
         if not ok:
