@@ -173,3 +173,26 @@ def test_cancelling_an_async_stream_stops_the_step_under_way():
     asyncio.run(give_up())
     assert stopped and stopped[0] - t0 < 5 and time.monotonic() - t0 < 5
     assert threading.active_count() < 50
+
+
+def test_tokens_are_counted_by_the_models_tokenizer(default_engine):
+    """LangChain's fallback counts with GPT-2's tokenizer, fetched from the hub (offline:
+    an error; online: another model's counts), for ``trim_messages(token_counter=llm)``."""
+    from langchain_core.messages import trim_messages
+
+    llm = ChatCacheBlend(engine=default_engine)
+    assert llm.get_num_tokens(VIENNA) == len(default_engine.prompts.encode(VIENNA))
+    history = [HumanMessage(VIENNA), HumanMessage("Where is Vienna?")]
+    kept = trim_messages(history, max_tokens=llm.get_num_tokens("Where is Vienna?") + 8, token_counter=llm,
+                         strategy="last")
+    assert [m.content for m in kept] == ["Where is Vienna?"]
+
+
+def test_a_model_name_given_where_the_engine_goes_is_a_clear_error():
+    """``CacheBlendLLM("model-id")`` took the string as its engine and failed at the first
+    call with an AttributeError."""
+    from cacheblend import CacheBlendError
+
+    with pytest.raises(CacheBlendError, match="takes an Engine or RemoteEngine.*model="):
+        CacheBlendLLM("HuggingFaceTB/SmolLM2-135M-Instruct")
+

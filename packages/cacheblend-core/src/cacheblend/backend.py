@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .errors import CacheBlendError
 from .passages import PassageIndex
+from .prompt import PromptBuilder
 from .results import BlendStats, ChunkHandle, Result
 
 
@@ -44,6 +45,11 @@ class Backend(Protocol):
 
     @property
     def passages(self) -> PassageIndex: ...
+
+    @property
+    def prompts(self) -> PromptBuilder:
+        """The model's tokenizer and chat template, as prompts are built with them."""
+        ...
 
     @classmethod
     def shared(cls, *args: Any, **kwargs: Any) -> Any:

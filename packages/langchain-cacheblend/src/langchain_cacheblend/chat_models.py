@@ -225,6 +225,11 @@ class ChatCacheBlend(BaseChatModel):
                 self._engine = Engine.shared(self.model, store=self.store)
         return self._engine
 
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids by the model's own tokenizer (``get_num_tokens``, ``trim_messages(token_counter=llm)``
+        and memory classes count with it; LangChain's fallback downloads GPT-2's)."""
+        return self.get_engine().prompts.encode(text)
+
     # -- ingestion -----------------------------------------------------------------------
     def ingest(self, texts: Sequence[str]) -> list[str]:
         """Precompute and store the passages' KV now; returns their cache keys."""

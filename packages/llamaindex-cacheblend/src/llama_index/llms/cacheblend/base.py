@@ -163,6 +163,9 @@ class CacheBlendLLM(CustomLLM):
     def __init__(self, engine: Backend | None = None, **data: Any) -> None:
         """``engine``: use this engine instead of ``Engine.shared(model, store=store)`` (or,
         with ``base_url``, a :class:`RemoteEngine` on that server)."""
+        if engine is not None and not callable(getattr(engine, "start_chat", None)):
+            raise CacheBlendError(f"CacheBlendLLM(engine=...) takes an Engine or RemoteEngine, got "
+                                  f"{type(engine).__name__} {engine!r:.60}; name a model with model=...")
         super().__init__(**data)
         self._custom_engine = engine is not None
         if engine is not None:
