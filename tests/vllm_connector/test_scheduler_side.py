@@ -206,3 +206,27 @@ def test_a_stats_file_that_cannot_be_written_never_stops_the_engine(tmp_path, ca
     assert "cannot append to the stats file" in caplog.text
     append_stats(str(tmp_path / "stats.jsonl"), {"op": "load"})
     assert (tmp_path / "stats.jsonl").read_text() == '{"op": "load"}\n'
+
+
+def test_a_registry_that_cannot_be_read_is_not_asked_again_for_every_request(default_model_dir, tmp_path, monkeypatch,
+                                                                              caplog):
+    """The matcher refreshes on vLLM's scheduler thread for each new request: a Redis
+    registry that stopped answering cost every request its 2 s timeout, all running
+    requests waiting meanwhile."""
+    import cacheblend.integrations.registry as registry
+
+    asked: list[int] = []
+
+    def down(*args, **kwargs):
+        asked.append(1)
+        raise TimeoutError("Timeout reading from 10.0.0.9:6379")
+
+    monkeypatch.setattr(registry, "_registry_version", down)
+    matcher = ChunkMatcher(str, "\n\n", "redis://10.0.0.9:6379/0")
+    with caplog.at_level(logging.WARNING, logger="vllm.cacheblend"):
+        for _ in range(5):
+            matcher.refresh()
+    assert len(asked) == 1 and "asking again in 5 s" in caplog.text
+    monkeypatch.setattr(registry, "RETRY_AFTER_S", 0.0)  # the back-off has passed
+    matcher.refresh()
+    assert len(asked) == 2

@@ -11,9 +11,11 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+RETRY_AFTER_S = 5.0  # a registry that could not be read is asked again after this long
 _ANCHOR = 4  # chunks are indexed by their first ids; shorter chunks are not worth matching
 _LOCK = threading.Lock()
 
@@ -110,6 +112,7 @@ class ChunkMatcher:
         self.encode, self.separator = encode, separator
         self.path, self.namespace = path or None, namespace
         self._mtime: float | None = None
+        self._failed_at: float | None = None  # when the registry last could not be read
         self._texts: set[str] = set()
         self._by_anchor: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
 
@@ -127,8 +130,13 @@ class ChunkMatcher:
     def refresh(self) -> None:
         """Re-read the registry if it changed since the last read.  A registry that cannot
         be read (Redis restarting, a file being replaced) keeps the passages read before,
-        with the reason logged: a scheduler that raised here took the vLLM server down."""
+        with the reason logged: a scheduler that raised here took the vLLM server down.
+        After a failure it is not asked again for :data:`RETRY_AFTER_S`: this runs on vLLM's
+        scheduler thread for every new request, and a Redis that stopped answering cost each
+        of them the connection timeout while every running request waited."""
         if self.path is None:
+            return
+        if self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_AFTER_S:
             return
         try:
             version = _registry_version(self.path, self.namespace)
@@ -136,9 +144,12 @@ class ChunkMatcher:
                 texts = read_passages(self.path, self.namespace)
                 self._mtime = version
                 self.add(texts)
+            self._failed_at = None
         except Exception as e:  # noqa: BLE001 - Redis or file errors of any kind: served from what is known
+            self._failed_at = time.monotonic()
             log.warning("CacheBlend: the passage registry %s cannot be read (%s: %s); matching the %d passages "
-                        "read before", _safe_path(self.path), type(e).__name__, e, len(self._texts))
+                        "read before, asking again in %.0f s", _safe_path(self.path), type(e).__name__, e,
+                        len(self._texts), RETRY_AFTER_S)
 
     def find(self, ids: Sequence[int], end_limit: int | None = None) -> list[tuple[int, int]]:
         """Non-overlapping ``(start, end)`` spans of known chunks in ``ids``, left to right,
