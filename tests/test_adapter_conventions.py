@@ -76,6 +76,7 @@ def test_the_retrieval_chain_takes_any_document_variable_name_and_blank_document
     store = CacheBlendVectorStore(_Store(), llm)
     store.add_documents([Document(page_content=""), Document(page_content=VIENNA)])
     assert [CACHE_KEY in d.metadata for d in store.vectorstore.docs] == [False, True]  # the batch went in whole
+    assert store.delete(["0"]) and len(store.vectorstore.docs) == 1  # a store that cannot look ids up
 
 
 class _Store:
@@ -87,6 +88,13 @@ class _Store:
     def add_documents(self, documents: list[Document], **kwargs) -> list[str]:
         self.docs += documents
         return [str(i) for i in range(len(documents))]
+
+    def get_by_ids(self, ids) -> list[Document]:
+        raise NotImplementedError  # LangChain's default, which many stores keep
+
+    def delete(self, ids=None, **kwargs) -> bool:
+        self.docs = [d for i, d in enumerate(self.docs) if str(i) not in (ids or ())]
+        return True
 
 
 def test_the_first_async_call_loads_the_model_off_the_event_loop(default_engine, monkeypatch):

@@ -10,6 +10,7 @@ costs nothing), and documents the index deletes or replaces release their stale 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 from .chat_models import ChatCacheBlend
 
 CACHE_KEY = "cacheblend_key"
+log = logging.getLogger(__name__)
 
 
 class CacheBlendVectorStore(VectorStore):
@@ -64,7 +66,12 @@ class CacheBlendVectorStore(VectorStore):
     def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
         """Delete from the wrapped store and release the caches of the removed texts."""
         if ids:
-            gone = [d.page_content for d in self.vectorstore.get_by_ids(ids) if d.page_content.strip()]
+            try:
+                gone = [d.page_content for d in self.vectorstore.get_by_ids(ids) if d.page_content.strip()]
+            except NotImplementedError:  # LangChain's default: the store cannot say what the ids hold
+                log.warning("%s cannot look documents up by id: the caches of the %d deleted ones stay stored "
+                            "(release them with llm.release(texts))", type(self.vectorstore).__name__, len(ids))
+                gone = []
             result = self.vectorstore.delete(ids, **kwargs)
             self.llm.release(gone)
             return result
