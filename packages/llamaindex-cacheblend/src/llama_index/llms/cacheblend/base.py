@@ -163,10 +163,10 @@ class CacheBlendLLM(CustomLLM):
     def __init__(self, engine: Backend | None = None, **data: Any) -> None:
         """``engine``: use this engine instead of ``Engine.shared(model, store=store)`` (or,
         with ``base_url``, a :class:`RemoteEngine` on that server)."""
+        super().__init__(**data)  # the fields first: a misspelt option is named before anything else
         if engine is not None and not callable(getattr(engine, "start_chat", None)):
             raise CacheBlendError(f"CacheBlendLLM(engine=...) takes an Engine or RemoteEngine, got "
                                   f"{type(engine).__name__} {engine!r:.60}; name a model with model=...")
-        super().__init__(**data)
         self._custom_engine = engine is not None
         if engine is not None:
             self._engine = engine
