@@ -204,3 +204,21 @@ def immutable(*paths):
     finally:
         for p in done:
             subprocess.run(["chattr", "-i", str(p)], capture_output=True)
+
+
+def give_up_on(make, after_s: float) -> None:
+    """Consume ``iterate_in_thread(make)`` and cancel it after ``after_s`` seconds, as
+    ``asyncio.wait_for`` around an ``astream`` does."""
+    import asyncio
+
+    from cacheblend.aio import iterate_in_thread
+
+    async def consume():
+        async for _ in iterate_in_thread(make):
+            pass
+
+    async def give_up():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(consume(), timeout=after_s)
+
+    asyncio.run(give_up())

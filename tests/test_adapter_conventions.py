@@ -26,7 +26,8 @@ from langchain_core.runnables import RunnableLambda  # noqa: E402
 from llama_index.core import Settings  # noqa: E402
 from llama_index.llms.cacheblend import CacheBlendLLM, CacheBlendSynthesizer  # noqa: E402
 
-from cacheblend.aio import CallCancelled, iterate_in_thread, raise_if_cancelled  # noqa: E402
+from cacheblend.aio import CallCancelled, raise_if_cancelled  # noqa: E402
+from conftest import give_up_on  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -169,16 +170,8 @@ def test_cancelling_an_async_stream_stops_the_step_under_way():
 
         return prefill()
 
-    async def consume():
-        async for _ in iterate_in_thread(make):
-            pass
-
-    async def give_up():
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(consume(), timeout=0.3)
-
     t0 = time.monotonic()
-    asyncio.run(give_up())
+    give_up_on(make, 0.3)
     assert stopped and stopped[0] - t0 < 5 and time.monotonic() - t0 < 5
     assert threading.active_count() < 50
 

@@ -222,9 +222,7 @@ def test_the_answer_never_asks_for_more_than_the_context_holds_and_a_refusal_is_
 def test_a_cancelled_async_stream_from_a_server_is_closed(default_model_dir):
     """A cancelled ``astream`` with ``base_url`` kept a thread reading the server's stream
     to ``max_tokens``; now the stream is closed at its next chunk (vLLM then aborts it)."""
-    import asyncio
-
-    from cacheblend.aio import iterate_in_thread
+    from conftest import give_up_on
 
     server = FakeVLLM(default_model_dir, lambda path: (404, b"{}"))
     try:
@@ -241,15 +239,7 @@ def test_a_cancelled_async_stream_from_a_server_is_closed(default_model_dir):
             finally:
                 closed.append(True)
 
-        async def consume():
-            async for _ in iterate_in_thread(pieces):
-                pass
-
-        async def give_up():
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(consume(), timeout=0.5)
-
-        asyncio.run(give_up())
+        give_up_on(pieces, 0.5)
         assert closed and gen.result is None  # stopped before the stream's end
     finally:
         server.close()
