@@ -53,7 +53,7 @@ def setup(tmp_path_factory, default_model_dir):
             "examples": examples, "engine": engine, "handles": handles, "short": short}
 
 
-def _llm(model: str, extra: dict | None):
+def _llm(model: str, extra: dict | None, max_num_seqs: int = 1):
     """A fresh eager LLM, with the connector when ``extra`` (its extra config) is given."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -65,7 +65,7 @@ def _llm(model: str, extra: dict | None):
             kv_role="kv_both", kv_connector_extra_config=extra)
         kw["load_format"] = "cacheblend"  # the worker recomputes on vLLM's own weights
     return LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=8192,
-               max_num_batched_tokens=8192, max_num_seqs=1, seed=0, **kw)
+               max_num_batched_tokens=8192, max_num_seqs=max_num_seqs, seed=0, **kw)
 
 
 def _generate(llm, requests: list[tuple[list[int], int, float]]) -> list[tuple[list[int], int]]:
@@ -103,11 +103,13 @@ def plain(setup):
 @pytest.fixture(scope="module")
 def blend_llm(setup, plain, redis_server):
     """vLLM with the connector on the disk store (then a Redis tier), kept for the module;
-    ``stats()`` reads what its worker did."""
+    ``stats()`` reads what its worker did.  Up to four requests at once, but one blend per
+    step (``max_blend_tokens``: any prompt is over one token): the tests send one at a time,
+    except the burst test."""
     root = setup["root"]
     extra = {"store": f"disk:{root / 'kv'},{redis_server.url}", "passages": str(root / "passages.jsonl"),
-             "recompute_ratio": 0.15, "stats": str(root / "stats.jsonl")}
-    llm = _llm(setup["model"], extra)
+             "recompute_ratio": 0.15, "stats": str(root / "stats.jsonl"), "max_blend_tokens": 1}
+    llm = _llm(setup["model"], extra, max_num_seqs=4)
     llm.stats = lambda: [json.loads(x) for x in (root / "stats.jsonl").read_text().splitlines()]
     yield llm
     _shutdown(llm)
@@ -124,6 +126,22 @@ def outputs(setup, plain, blend_llm):
     after = sorted(p.name for p in kv_dir.rglob("*") if p.is_file())
     return {"prompt0_tokens": len(prompts[0]), "plain": plain["prompts"], "exact": blend[0], "blend": blend[1:],
             "files": (before, after)}
+
+
+def test_a_burst_of_blends_runs_one_step_each_with_the_same_answers(setup, outputs, blend_llm):
+    """Three blended requests at once: each blend runs before a forward of its own (the step
+    budget holds the others back), where all three used to run before one forward while any
+    running decode waited; and each answers as it did alone."""
+    from vllm import SamplingParams, TokensPrompt
+
+    seen = len(blend_llm.stats())
+    params = SamplingParams(max_tokens=1, temperature=0.0,
+                            extra_args={"kv_transfer_params": {"recompute_ratio": 0.15}})
+    outs = blend_llm.generate([TokensPrompt(prompt_token_ids=p) for p in setup["prompts"][1:4]], params,
+                              use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [tokens for tokens, _ in outputs["blend"][1:4]]
+    loads = [s for s in blend_llm.stats()[seen:] if s.get("op") == "load"]
+    assert [s["step_blends"] for s in loads] == [1, 1, 1]
 
 
 def test_matcher_finds_every_ingested_chunk(setup):

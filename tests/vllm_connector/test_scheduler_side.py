@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from cacheblend.config import ConnectorConfig  # noqa: E402
+from cacheblend.errors import CacheBlendError  # noqa: E402
 from cacheblend.integrations.registry import ChunkMatcher, register_passages  # noqa: E402
 from cacheblend.integrations.vllm_receipts import ReceiptBox  # noqa: E402
 from cacheblend.integrations.vllm_scheduler import SchedulerSide  # noqa: E402
@@ -230,3 +231,52 @@ def test_a_registry_that_cannot_be_read_is_not_asked_again_for_every_request(def
     monkeypatch.setattr(registry, "RETRY_AFTER_S", 0.0)  # the back-off has passed
     matcher.refresh()
     assert len(asked) == 2
+
+
+def _step(side: SchedulerSide) -> None:
+    """vLLM's end of a scheduling pass: the step's metadata is built (nothing new scheduled)."""
+    side.build_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                                    scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                                                          new_block_ids=[])))
+
+
+def test_a_burst_of_blends_is_spread_over_steps_by_the_blend_budget(default_model_dir):
+    """A blended request costs vLLM one scheduled token, but its fused prefill runs before
+    the step's forward: three at once used to run in one step and hold every running decode
+    for all three.  Past the step's budget a blend waits (None: vLLM asks again next step);
+    the first blend of a step always runs, and a plain request is never held."""
+    side = SchedulerSide(ConnectorConfig.parse({"store": "memory"}), model_dir=str(default_model_dir),
+                         block_size=16, num_layers=30, chunk_sink="frame", connector="CacheBlendConnector",
+                         step_tokens=250)  # vLLM's max_num_batched_tokens: the default budget
+    burst = [_request(f"b{i}", list(range(100)), {"chunks": [[10, 50]]}) for i in range(3)]
+    assert side.loaded_tokens(burst[0], 0) == 99
+    side.after_alloc(burst[0], 99)
+    assert side.loaded_tokens(burst[1], 0) == 99  # 200 of 250
+    side.after_alloc(burst[1], 99)
+    assert side.loaded_tokens(burst[2], 0) is None  # 300 > 250: next step
+    assert side.loaded_tokens(_request("plain", list(range(100))), 0) == 0  # not a blend: never held
+    _step(side)
+    assert side.loaded_tokens(burst[2], 0) == 99
+    side.after_alloc(burst[2], 99)
+    big = _request("big", list(range(400)), {"chunks": [[10, 300]]})
+    assert side.loaded_tokens(big, 0) is None
+    _step(side)
+    assert side.loaded_tokens(big, 0) == 399  # alone in its step, though over the budget
+    one = SchedulerSide(ConnectorConfig.parse({"store": "memory", "max_blend_tokens": 1}),
+                        model_dir=str(default_model_dir), block_size=16, num_layers=30, chunk_sink="frame",
+                        connector="CacheBlendConnector", step_tokens=10_000)
+    assert one.loaded_tokens(burst[0], 0) == 99  # the option wins over vLLM's step budget:
+    one.after_alloc(burst[0], 99)
+    assert one.loaded_tokens(burst[1], 0) is None  # one blend per step
+    for req in [*burst, _request("plain", list(range(100))), big]:
+        side.finished(req)
+        one.finished(req)
+    side.take_receipts({})
+    one.take_receipts({})
+    assert side.live_requests() == one.live_requests() == 0
+
+
+@pytest.mark.parametrize("value", [0, -5, 2.5, True, "100"])
+def test_a_bad_step_budget_is_refused_by_name(value):
+    with pytest.raises(CacheBlendError, match="max_blend_tokens must be a positive int"):
+        ConnectorConfig.parse({"max_blend_tokens": value})

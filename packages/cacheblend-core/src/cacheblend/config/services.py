@@ -97,15 +97,28 @@ class ConnectorConfig:
     one JSON line per worker operation), ``min_tokens`` (shorter prompts are not searched
     for chunks; default two KV blocks), ``chunk_sink`` and ``kv_dtype`` (as :class:`EngineConfig`),
     and any :class:`RequestOptions` field as the server's default for requests (e.g.
-    ``recompute_ratio``)."""
+    ``recompute_ratio``).
+
+    ``max_blend_tokens`` bounds what one scheduler step blends: a blended request costs
+    vLLM one scheduled token, but its fused prefill runs before the step's forward, so a
+    burst of blends would hold up every running decode.  Blended prompt tokens beyond it
+    wait for the next step (the first blend of a step always runs); default vLLM's
+    ``max_num_batched_tokens``, so a step's blends cost less than one step of plain prefill."""
 
     store: str | None = None
     passages: str | None = None
     stats: str | None = None
     min_tokens: int | None = None
+    max_blend_tokens: int | None = None
     chunk_sink: str | None = EngineConfig.chunk_sink
     kv_dtype: str | None = EngineConfig.kv_dtype
     defaults: RequestOptions = field(default_factory=RequestOptions)
+
+    def __post_init__(self) -> None:
+        for name in ("min_tokens", "max_blend_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise CacheBlendError(f"{name} must be a positive int or None, got {value!r}")
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

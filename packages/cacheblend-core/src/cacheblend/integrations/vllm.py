@@ -82,7 +82,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
                                        connector=type(self).__name__,
                                        prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
                                        exact_behind_sink=exact_behind_sink, receipts=receipts,
-                                       unsupported=_unsupported(vllm_config))
+                                       unsupported=_unsupported(vllm_config),
+                                       step_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
         self.worker = WorkerSide(config, model_dir=model.model, dtype=model.dtype, chunk_sink=chunk_sink,
                                  block_size=block_size, vllm_config=vllm_config, kv_cache_config=kv_cache_config)
 
@@ -91,6 +92,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         self.scheduler.take_layout_reports(metadata)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """None: the request waits for a later step (this step's blend budget is spent)."""
         return self.scheduler.loaded_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

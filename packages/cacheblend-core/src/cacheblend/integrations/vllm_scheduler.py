@@ -32,10 +32,13 @@ class SchedulerSide:
     def __init__(self, config: ConnectorConfig, *, model_dir: str, block_size: int, num_layers: int,
                  chunk_sink: str, connector: str, prefix_caching: bool = False,
                  exact_behind_sink: bool = True, receipts: ReceiptBox | None = None,
-                 unsupported: str | None = None) -> None:
+                 unsupported: str | None = None, step_tokens: int | None = None) -> None:
         self.config = config
         self.model_dir = model_dir
         self.min_tokens = config.min_tokens if config.min_tokens is not None else 2 * block_size
+        # blended prompt tokens one step may run (ConnectorConfig.max_blend_tokens; vLLM's step budget)
+        self.max_blend_tokens = config.max_blend_tokens or step_tokens
+        self._step_blended = 0  # blended prompt tokens admitted in the step being scheduled
         self.num_layers = num_layers
         self.chunk_sink = chunk_sink  # every answer's marker names it (a RemoteEngine adopts it)
         self.exact_behind_sink = exact_behind_sink  # and whether a chunk right behind it is reused exactly
@@ -122,16 +125,22 @@ class SchedulerSide:
             log.warning("CacheBlend: blending is OFF, every request runs as plain vLLM (KV layout self-check "
                         "failed on %s)", self.blending_off)
 
-    def loaded_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def loaded_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens the connector provides: all but the last of a prompt holding known chunks
-        (vLLM computes at least one token itself), none otherwise.  None for a request that
+        (vLLM computes at least one token itself), none otherwise, and none for a request that
         needs every prompt position computed (prompt logprobs, ``echo`` scoring, pooling):
-        vLLM skips its own prefix cache for those, and a blend would leave them incomplete."""
+        vLLM skips its own prefix cache for those, and a blend would leave them incomplete.
+        None ("ask again next step": vLLM leaves it waiting) for a blend past this step's
+        ``max_blend_tokens``, so a burst of blends does not stall the running decodes."""
         n = len(request.prompt_token_ids or [])
         if self.blending_off is not None or _every_position(request) or _not_base_tokens(request) \
                 or not self._engaged(request):
             return 0
-        return max(0, n - 1 - num_computed_tokens)
+        loaded = max(0, n - 1 - num_computed_tokens)
+        if loaded and self._step_blended and self.max_blend_tokens is not None \
+                and self._step_blended + n > self.max_blend_tokens:
+            return None
+        return loaded
 
     def _engaged(self, request: Any) -> bool:
         """Whether the connector provides this request's K/V: it holds chunks, or a prefix."""
@@ -153,6 +162,7 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         assert hints is not None  # external tokens are reported only for valid hints
+        self._step_blended += len(ids)
         self._pending[request.request_id] = BlendLoad(request.request_id, ids, [], len(ids) - 1 - num_external_tokens,
                                                       self.match(request), hints.blend,
                                                       self._prefixes.get(request.request_id, 0))
@@ -160,6 +170,7 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any) -> CacheBlendMeta:
         """Loads for this step's new requests, and for requests resumed after preemption
         (their blocks were freed, so the connector reported and must write them again)."""
+        self._step_blended = 0  # vLLM builds the metadata once per step, after scheduling it
         blocks = {req.req_id: req.block_ids[0] for req in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):

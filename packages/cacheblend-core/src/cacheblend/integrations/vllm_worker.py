@@ -180,7 +180,8 @@ class WorkerSide:
                     kv = self._blend(load)
                     t1 = time.perf_counter()
                     self._write(load, kv.k, kv.v)
-                self.last_stats.update(blend_s=round(t1 - t0, 3), write_s=round(time.perf_counter() - t1, 3))
+                self.last_stats.update(blend_s=round(t1 - t0, 3), write_s=round(time.perf_counter() - t1, 3),
+                                       step_blends=len(meta.loads))  # blends run before this step's forward
             except Exception:  # noqa: BLE001 - vLLM recomputes what we could not load
                 log.exception("CacheBlend load failed for %s; vLLM recomputes its blocks", load.req_id)
                 self._failed_blocks.update(load.block_ids[load.start // self.block_size :])
