@@ -125,3 +125,19 @@ def test_an_explanation_over_a_damaged_store_recomputes_the_damaged_entry(tiny_m
     out = damaged.explain(QUERY, handles, answers=False, attention_layer=1)
     torch.testing.assert_close(out.deviation, reference.deviation)
     assert damaged.store.stats()["corrupt"] >= 1
+
+
+def test_a_prompt_over_the_context_is_refused_as_a_request_is(engine):
+    """The Tokens and Attention tabs built any prompt: passages that fit one by one but not
+    together were prefilled past the model's context, and the attention maps took memory
+    by the square of the length (tens of GB) in the explorer's process."""
+    long = [" ".join(f"{w}{i}" for i in range(260)) for w in ("alpha", "beta", "gamma")]  # each fits 1,024
+    with pytest.raises(CacheBlendError, match="does not fit the model's context of 1024"):
+        engine.generate(QUERY, long, max_new_tokens=1)
+    with pytest.raises(CacheBlendError, match="does not fit the model's context of 1024"):
+        engine.explain(QUERY, long, attention_layer=0, answers=False)
+
+
+def test_measuring_speed_without_passages_is_refused_as_the_other_tabs_do(engine):
+    with pytest.raises(ValueError, match="give at least one passage"):
+        Explorer(engine, engine).speed("", None, QUERY, 0.15, "measure now")

@@ -94,7 +94,9 @@ def test_replicas_started_by_cacheblend_serve_share_chunks_and_stop_cleanly(tmp_
     url = redis_server.url.rsplit("/", 1)[0] + "/3"  # a database of its own
     redis.Redis.from_url(url).flushdb()
     ports = [free_port(), free_port()]
-    procs = [_serve(str(default_model_dir), port, f"memory,{url}", url, tmp_path) for port in ports]
+    # signed with a key: it reaches vLLM's processes through their environment (env:NAME)
+    procs = [_serve(str(default_model_dir), port, f"memory,{url},key=replicas-share-it", url, tmp_path)
+             for port in ports]
     try:
         urls = [_url_of(p, tmp_path, port) for p, port in zip(procs, ports, strict=True)]
         assert urls == [f"http://127.0.0.1:{port}/v1" for port in ports]
@@ -145,6 +147,8 @@ _STAND_IN = """#!/bin/sh
 # run, it answers /health on the --port it is given and, like vLLM, keeps a child process
 # (its engine core) in the same process group.
 port=$(echo "$@" | sed -n 's/.*--port \\([0-9]*\\).*/\\1/p')
+echo "$@" > "$(dirname "$0")/args-$port"
+env > "$(dirname "$0")/env-$port"
 sleep "9$port" &
 exec "{python}" -c "
 import http.server, sys
@@ -158,20 +162,28 @@ http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
-def test_a_hang_up_or_a_stop_takes_the_servers_whole_process_group_down(tmp_path, sig):
-    """``cacheblend serve`` had no SIGHUP handler: a closed terminal killed it without its
-    cleanup, and vLLM, in a session of its own, kept running with the port and the memory."""
+def _serve_stand_in(tmp_path: Path, store: str, **popen) -> tuple[subprocess.Popen, int, str]:
+    """``cacheblend serve`` on the stand-in; the process, its port and the URL line it printed."""
     stand_in = tmp_path / "python"
     stand_in.write_text(_STAND_IN.format(python=sys.executable))
     stand_in.chmod(0o755)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cacheblend.cli", "serve", "--store", f"disk:{tmp_path / 'kv'}",
+    proc = subprocess.Popen([sys.executable, "-m", "cacheblend.cli", "serve", "--store", store,
                              "--port", str(port), "--vllm-python", str(stand_in), "--start-timeout", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line.startswith("cacheblend serve: http"):
+        proc.kill()
+        pytest.fail(f"no URL line: {line!r} {proc.stderr.read() if proc.stderr else ''}")
+    return proc, port, line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_hang_up_or_a_stop_takes_the_servers_whole_process_group_down(tmp_path, sig):
+    """``cacheblend serve`` had no SIGHUP handler: a closed terminal killed it without its
+    cleanup, and vLLM, in a session of its own, kept running with the port and the memory."""
+    proc, port, _ = _serve_stand_in(tmp_path, f"disk:{tmp_path / 'kv'}")
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("cacheblend serve: http"), (line, proc.stderr.read() if proc.poll() is not None else "")
         group = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[-2:] == ["sleep", f"9{port}"]]
         assert group  # the stand-in's "engine core"
         proc.send_signal(sig)
@@ -182,6 +194,38 @@ def test_a_hang_up_or_a_stop_takes_the_servers_whole_process_group_down(tmp_path
     assert not _healthy(f"http://127.0.0.1:{port}/v1")
     gone, alive = psutil.wait_procs([p for p in group if p.is_running()], timeout=10)
     assert not alive
+
+
+def test_under_nohup_a_hang_up_leaves_the_server_running(tmp_path):
+    """``nohup cacheblend serve ... &``: the hang-up its user asked to ignore stopped vLLM
+    when the SSH session closed."""
+    proc, port, _ = _serve_stand_in(tmp_path, f"disk:{tmp_path / 'kv'}",
+                                    preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert proc.poll() is None and _healthy(f"http://127.0.0.1:{port}/v1")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_the_stores_secrets_are_in_neither_the_output_nor_vllms_command_line(tmp_path):
+    """A Redis password and a signing key were printed in the URL line, and put in vLLM's
+    command line (``ps`` shows it to every local user); vLLM now gets them in its environment."""
+    store = "memory,redis://:hunter2@127.0.0.1:1/0,key=s3cret"  # port 1: the tier is unreachable, so degraded
+    proc, port, line = _serve_stand_in(tmp_path, store)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    said = line + out + err + (tmp_path / f"args-{port}").read_text()
+    assert "hunter2" not in said and "s3cret" not in said and "***" in line
+    assert f"CACHEBLEND_CONNECTOR_STORE={store}" in (tmp_path / f"env-{port}").read_text()
 
 
 def test_a_port_in_use_is_one_line_not_a_started_server(tmp_path):

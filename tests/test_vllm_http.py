@@ -204,6 +204,42 @@ def test_the_servers_command_recomputes_failed_loads_and_refuses_prefix_caching(
     assert "--enable-prefix-caching" in VLLMServer("m", None, port=1, args=("--enable-prefix-caching",)).command()
 
 
+@pytest.mark.parametrize("args", [("--port", "9000"), ("--port=9000",), ("--host", "0.0.0.0"), ("--model", "x"),
+                                  ("--enable_prefix_caching",)])
+def test_vllm_arguments_cannot_override_what_the_server_sets(args):
+    """vLLM takes the last of a repeated flag: ``--port`` sent the health check to the wrong
+    port for the whole start timeout, ``--host`` opened the server beyond loopback, and
+    ``--enable_prefix_caching`` (vLLM reads ``_`` as ``-``) passed the prefix-caching check."""
+    with pytest.raises(ValueError, match="cannot be given|prefix caching"):
+        VLLMServer("m", kv_transfer_config("memory"), port=1, args=args).command()
+
+
+def test_secrets_reach_vllm_through_its_environment_never_its_command_line(monkeypatch):
+    """A Redis password or signing key in the store spec (or a registry URL) was in vLLM's
+    command line, which every local user can read, and in vLLM's log of its arguments."""
+    from cacheblend.config import ConnectorConfig
+    from cacheblend.errors import CacheBlendError
+
+    store, passages = "memory,redis://:hunter2@127.0.0.1:6379/0,key=s3cret", "redis://:pw9@127.0.0.1:6379/1"
+    server = VLLMServer("m", kv_transfer_config(store, passages=passages), port=1)
+    cmd = " ".join(server.command())
+    assert "hunter2" not in cmd and "s3cret" not in cmd and "pw9" not in cmd
+    extra = json.loads(cmd.split("--kv-transfer-config ", 1)[1].split(" --", 1)[0])["kv_connector_extra_config"]
+    monkeypatch.setenv("CACHEBLEND_CONNECTOR_STORE", store)
+    monkeypatch.setenv("CACHEBLEND_CONNECTOR_PASSAGES", passages)
+    config = ConnectorConfig.parse(extra)  # as vLLM's processes read it, with the server's environment
+    assert (config.store, config.passages) == (store, passages)
+    assert "disk:/kv" in " ".join(VLLMServer("m", kv_transfer_config("disk:/kv"), port=1).command())  # no secret
+    monkeypatch.delenv("CACHEBLEND_CONNECTOR_STORE")
+    with pytest.raises(CacheBlendError, match="CACHEBLEND_CONNECTOR_STORE.*not set"):
+        ConnectorConfig.parse(extra)
+
+
+def test_an_ipv6_servers_url_has_its_address_in_brackets():
+    assert VLLMServer("m", None, host="::1", port=8000).base_url == "http://[::1]:8000/v1"
+    assert VLLMServer("m", None, host="0.0.0.0", port=8000).base_url == "http://127.0.0.1:8000/v1"
+
+
 def test_a_server_does_not_start_on_a_port_something_listens_on():
     """Something already on the port answered the health check while our server was still
     starting (and then failed to bind): it was taken for ours."""

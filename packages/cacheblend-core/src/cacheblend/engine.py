@@ -244,14 +244,18 @@ class Engine(Answering):
         return explain(self, query, list(chunks), system=system, preamble=preamble,
                        attention_layer=attention_layer, answers=answers, **options)
 
-    def _begin(self, prompt: PromptIds, handles: list[ChunkHandle], t0: float,
-               options: RequestOptions | dict[str, Any], defer: frozenset[str] = frozenset()) -> Generation:
-        opts = options if isinstance(options, RequestOptions) else RequestOptions.parse(options)
+    def check_fits(self, prompt: PromptIds) -> None:
+        """Refuse a prompt the model's context cannot hold (one position is left for the answer)."""
         n = len(prompt.all_ids)
         if n >= self.context_length:
             raise CacheBlendError(
                 f"prompt of {n} tokens does not fit the model's context of {self.context_length} tokens"
             )
+
+    def _begin(self, prompt: PromptIds, handles: list[ChunkHandle], t0: float,
+               options: RequestOptions | dict[str, Any], defer: frozenset[str] = frozenset()) -> Generation:
+        opts = options if isinstance(options, RequestOptions) else RequestOptions.parse(options)
+        self.check_fits(prompt)
         return Generation(self, Request(prompt, handles, opts, t0, defer))
 
 

@@ -151,6 +151,7 @@ def explain(engine: Engine, query: str, chunks: Sequence[ChunkHandle | str], *, 
     given = iter(handles)
     handles = [c if isinstance(c, ChunkHandle) else next(given) for c in chunks]
     prompt = engine.prompts.build(query, [list(h.token_ids) for h in handles], system, preamble)
+    engine.check_fits(prompt)  # as a request is; the attention maps alone would need n x n per head
     tokens, spans = _tokens(engine, prompt)
     check = blend.check_layers[0]
     probe = _Probe(engine, attention_layer)

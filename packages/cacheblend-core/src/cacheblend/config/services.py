@@ -10,12 +10,18 @@ Imports neither torch nor transformers, so clients of a server can use it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import CacheBlendError
 from .options import CHUNK_SINKS, KV_DTYPES, RequestOptions
+
+# ``"store": "env:NAME"`` (or ``"passages"``): the value is read from the environment variable
+# NAME of vLLM's processes, so a password or signing key stays out of the command line and
+# vLLM's log of its arguments (``cacheblend serve`` passes secrets this way).
+ENV_PREFIX = "env:"
 
 # A model family's chunk sink unless told one, chosen on dev (docs/fidelity.md); unlisted: "bos".
 MODEL_CHUNK_SINKS: Mapping[str, str] = {"qwen2": "frame", "llama": "frame"}
@@ -97,7 +103,8 @@ class ConnectorConfig:
     one JSON line per worker operation), ``min_tokens`` (shorter prompts are not searched
     for chunks; default two KV blocks), ``chunk_sink`` and ``kv_dtype`` (as :class:`EngineConfig`),
     and any :class:`RequestOptions` field as the server's default for requests (e.g.
-    ``recompute_ratio``).
+    ``recompute_ratio``).  ``store`` or ``passages`` given as ``"env:NAME"`` is read from
+    the environment variable NAME.
 
     ``max_blend_tokens`` bounds what one scheduler step blends: a blended request costs
     vLLM one scheduled token, but its fused prefill runs before the step's forward, so a
@@ -125,6 +132,13 @@ class ConnectorConfig:
         extra = dict(extra or {})
         own = {f.name for f in fields(cls)} - {"defaults"}
         mine = {k: extra.pop(k) for k in list(extra) if k in own}
+        for name in ("store", "passages"):
+            value = mine.get(name)
+            if isinstance(value, str) and value.startswith(ENV_PREFIX):
+                var = value[len(ENV_PREFIX):]
+                if var not in os.environ:
+                    raise CacheBlendError(f"{name} is read from the environment variable {var!r}, which is not set")
+                mine[name] = os.environ[var]
         try:
             RequestOptions.check_names(extra, "kv_connector_extra_config")
         except CacheBlendError as e:

@@ -46,7 +46,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--log", default=None, metavar="FILE", help="write vLLM's output here (default: this terminal)")
     p.add_argument("--start-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--vllm-args", default="", metavar="ARGS",
-                   help="further vLLM arguments, one string, e.g. \"--max-num-seqs 8\"")
+                   help="further vLLM arguments, one string, e.g. \"--max-num-seqs 8\" (one flag alone: "
+                        "--vllm-args=--trust-remote-code); not --host, --port or --model, which are this "
+                        "command's own")
     p.set_defaults(func=cmd_serve)
 
 
@@ -58,6 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..bench.peers import vllm_python
     from ..models.loader import resolve_model_dir
     from ..store import open_store
+    from ..store.spec import hide_secrets
     from .vllm_server import VLLMServer, kv_transfer_config
 
     extra = shlex.split(args.vllm_args)
@@ -70,12 +73,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         log_path=Path(args.log) if args.log else None, quiet=False,
                         max_model_len=args.max_model_len, args=tuple(extra))
     # SIGHUP too (the terminal or SSH session closed): vLLM runs in its own session, so it
-    # would not get the hang-up and would keep the port and the memory after we are gone.
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # would not get the hang-up and would keep the port and the memory after we are gone;
+    # unless started under nohup, which asked for SIGHUP to be ignored.
+    stops = [sig for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, _interrupt) for sig in stops}
     try:
         server.start(timeout=args.start_timeout)
-        print(f"cacheblend serve: {server.base_url} (model {model!r}; store {args.store}"
-              f"{'; passages ' + args.passages if args.passages else ''}); Ctrl-C stops it", flush=True)
+        print(f"cacheblend serve: {server.base_url} (model {model!r}; store {hide_secrets(args.store)}"
+              f"{'; passages ' + hide_secrets(args.passages) if args.passages else ''}); Ctrl-C stops it",
+              flush=True)
         code = server.wait()
         print(f"cacheblend serve: vLLM exited with code {code}", file=sys.stderr)
         return 1

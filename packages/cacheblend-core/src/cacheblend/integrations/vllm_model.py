@@ -30,6 +30,7 @@ from vllm.model_executor.model_loader import DefaultModelLoader, register_model_
 
 from ..engine import Engine
 from ..models.onednn import linear
+from ..store.spec import hide_secrets
 from .vllm_server import LOAD_FORMAT
 
 __all__ = ["LOAD_FORMAT", "CacheBlendModelLoader", "VllmProducts", "adopt_vllm_weights", "loaded_model", "register",
@@ -140,6 +141,7 @@ def worker_engine(model_dir: str, store: str | None, dtype: Any, chunk_sink: str
     t = time.perf_counter()
     engine = Engine.load(model_dir, store=store, dtype=dtype, pack_weights=False, chunk_sink=chunk_sink,
                          kv_dtype=kv_dtype)
-    log.info("CacheBlend engine loaded in %.1f s (store %s), products: %s", time.perf_counter() - t, store,
+    log.info("CacheBlend engine loaded in %.1f s (store %s), products: %s", time.perf_counter() - t,
+             hide_secrets(store) if store else store,
              adopt_vllm_weights(engine))
     return engine

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConnectorConfig
+from ..config.services import ENV_PREFIX
 
 CONNECTOR_MODULE = "cacheblend.integrations.vllm"
 # The ASGI middleware that answers bad kv_transfer_params with HTTP 400 (vllm_http.py).
@@ -30,6 +31,13 @@ GUARD_MIDDLEWARE = "cacheblend.integrations.vllm_http.KVParamsGuard"
 # vLLM's default loader, registered by cacheblend-core's vLLM plugin: the connector's
 # worker then recomputes on the model vLLM loaded, not on a mapped copy (vllm_model.py)
 LOAD_FORMAT = "cacheblend"
+# Connector options that may hold a secret (a Redis password, a signing key): such a value
+# reaches vLLM through these environment variables (ConnectorConfig's "env:NAME"), never its
+# command line, which every local user can read, nor vLLM's log of its arguments.
+SECRET_ENV = {"store": "CACHEBLEND_CONNECTOR_STORE", "passages": "CACHEBLEND_CONNECTOR_PASSAGES"}
+# vLLM arguments this class sets itself: given again in ``args``, vLLM would take the later
+# one (the health check would wait on the wrong port, or the server listen beyond loopback)
+OWN_ARGS = ("--model", "--host", "--port", "--kv-transfer-config", "--middleware")
 
 
 def all_cores_bind() -> str:
@@ -95,21 +103,46 @@ class VLLMServer:
 
     @property
     def _reach(self) -> str:
-        """Where a client on this machine reaches the server (a wildcard address is loopback too)."""
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        """Where a client on this machine reaches the server (a wildcard address is loopback
+        too), as a URL's host: an IPv6 address in brackets."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"[{host}]" if ":" in host else host
+
+    def _flags(self) -> set[str]:
+        """The flags in ``args`` as vLLM reads them (``--a_b=x`` is ``--a-b``)."""
+        return {a.split("=", 1)[0].replace("_", "-") for a in self.args if a.startswith("--")}
+
+    def _connector_and_env(self) -> tuple[dict[str, Any] | None, dict[str, str]]:
+        """The connector's config with each secret-holding value replaced by ``env:NAME``,
+        and the environment that carries those values."""
+        from ..store.spec import hide_secrets  # here: the store package imports torch, a client must not
+
+        if self.connector is None:
+            return None, {}
+        extra, env = dict(self.connector.get("kv_connector_extra_config") or {}), {}
+        for name, var in SECRET_ENV.items():
+            value = extra.get(name)
+            if isinstance(value, str) and hide_secrets(value) != value:
+                env[var], extra[name] = value, ENV_PREFIX + var
+        return {**self.connector, "kv_connector_extra_config": extra}, env
 
     def command(self) -> list[str]:
-        if self.connector is not None and "--enable-prefix-caching" in self.args:
+        flags = self._flags()
+        if own := sorted(flags & set(OWN_ARGS)):
+            raise ValueError(f"{', '.join(own)} cannot be given among vLLM's arguments: they are set from this "
+                             "server's own options (model, host, port)")
+        if self.connector is not None and "--enable-prefix-caching" in flags:
             raise ValueError("the CacheBlend connector needs vLLM's prefix caching off (blended blocks would be "
                              "reused as exact); drop --enable-prefix-caching")
+        connector, _ = self._connector_and_env()
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", self.host, "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
                "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_model_len),
                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
-        if self.connector is not None:
+        if connector is not None:
             # Blended blocks must not enter vLLM's prefix cache as if they were exact; bad
             # hints get HTTP 400 from the guard instead of reaching the connector.
-            cmd += ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(self.connector),
+            cmd += ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(connector),
                     "--middleware", GUARD_MIDDLEWARE, "--load-format", LOAD_FORMAT]
         return cmd + list(self.args)
 
@@ -119,7 +152,7 @@ class VLLMServer:
         then fails to bind), and would be taken for it."""
         _check_free(self.host, self.port)
         env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": all_cores_bind(),
-               "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, **self.env}
+               "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, **self.env, **self._connector_and_env()[1]}
         command = self.command()
         log: Any = open(self.log_path, "ab") if self.log_path else (  # noqa: SIM115
             subprocess.DEVNULL if self.quiet else None)

@@ -90,6 +90,8 @@ class Explorer:
             if self.engine is None:
                 raise ValueError("a live sweep needs the model in this process")
             passages = split_passages(text, files or ())[:6]
+            if not passages or not question.strip():
+                raise ValueError("give at least one passage and a question")
             records = speed_sweep(self.engine, question, passages, ("full", "prefix", "reuse", "blend"), ratio,
                             progress=(lambda f, d: progress(f, desc=d)) if progress is not None else None)
         return speed_figure(records), records
