@@ -12,7 +12,7 @@ import torch
 
 from cacheblend.bench.command import BASELINE
 from cacheblend.bench.deviation import shift_profile, sparsity_profile
-from cacheblend.bench.metrics import output_f1, quality
+from cacheblend.bench.metrics import output_f1, p90, quality
 from cacheblend.bench.stats import spearman
 from cacheblend.bench.tasks import TASKS, load_task
 from cacheblend.cli import app
@@ -36,6 +36,10 @@ def test_metrics():
     assert quality("f1", "the Exeter College", ["Exeter College"]) == 1.0
     assert quality("rougeL", "Tom will buy milk", ["Tom buys milk today"]) > 0.5
     assert output_f1("", "") == 1.0 and output_f1("a b", "c d") == 0.0
+    # the same answer made of an article or a full stop alone normalises to no tokens: it
+    # scored 0 against itself (90 of 218 prompts of a one-token study)
+    assert output_f1("The", "The") == output_f1(" .", ".") == 1.0 and output_f1("The", ".") == 0.0
+    assert [p90(list(range(n))) for n in (2, 4, 5, 8, 10, 100)] == [1, 3, 4, 7, 8, 89]  # nearest rank
     with pytest.raises(ValueError, match="unknown metric"):
         quality("bleu", "a", ["a"])
 
@@ -296,3 +300,15 @@ def test_peak_rss_sees_a_freed_allocation_and_starts_again(monkeypatch, tmp_path
     with PeakRSS() as second:
         pass
     assert second.peak - second.before < 50 * mib
+
+
+def test_the_default_baseline_is_the_papers_selection():
+    """The baseline inherited the check pool (the default since 2026-12-06): it ranked only
+    the top half of chunk tokens by the stored hint, under the paper's name."""
+    from cacheblend.bench.command import BASELINE
+    from cacheblend.bench.fidelity import parse_spec
+    from cacheblend.config import RequestOptions
+
+    blend = RequestOptions.parse(parse_spec(BASELINE).options).blend(30)
+    assert (blend.selection, blend.check_pool, blend.chunk_heads, blend.shift_share, blend.check_layers) == \
+        ("deviation", 1.0, 0, 0.0, (1,))

@@ -15,7 +15,8 @@ from typing import Any
 from ..config import CHUNK_SINKS, KV_DTYPES
 from .tasks import TASK_FILES, TASKS, load_task
 
-BASELINE = "blend@0.15:selection=deviation:chunk_heads=0:shift_share=0"  # the paper's HKVD (V deviation, layer 1)
+# the paper's HKVD: V deviation at layer 1 over every chunk token (no check pool, heads or shift)
+BASELINE = "blend@0.15:selection=deviation:chunk_heads=0:shift_share=0:check_pool=1"
 DEFAULT_VARIANTS = "reuse;blend@0.15;blend@guard"
 
 

@@ -135,6 +135,7 @@ def run(engine, task: Task, examples: list[Example], specs: list[Spec], max_new_
         handles = engine.ingest(ex.passages)
         engine.generate(ex.query, handles, method="reuse", max_new_tokens=1, preamble=task.preamble,
                         system=system)  # the prefix
+        engine.kv_pool.reserve(engine.decoder.shape, n + new_tokens, engine.device)  # every method alike
         ref = None
         for spec in [full, *specs]:
             r = engine.generate(ex.query, handles, **{**common, **spec.options})

@@ -38,15 +38,18 @@ def kl_first_token(full_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 
 def output_f1(prediction: str, reference: str) -> float:
-    """Token F1 of a greedy output against full prefill's greedy output (1.0 if both empty)."""
-    if not prediction.strip() and not reference.strip():
+    """Token F1 of a greedy output against full prefill's greedy output: 1.0 for the same
+    text, also one that normalises to no tokens (an article, a full stop), which token F1
+    alone scores 0."""
+    if prediction.strip() == reference.strip():
         return 1.0
     return token_f1(prediction, reference)
 
 
 def p90(values: list[float]) -> float:
+    """The nearest-rank 90th percentile: the ceil(0.9 n)-th smallest value."""
     ordered = sorted(values)
-    return ordered[max(0, int(round(0.9 * len(ordered))) - 1)]
+    return ordered[max(0, -(-9 * len(ordered) // 10) - 1)]
 
 
 def mean(values: list[float]) -> float | None:
