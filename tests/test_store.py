@@ -183,6 +183,11 @@ def test_store_specs(tmp_path):
         open_store("tape:/dev/st0")
     with pytest.raises(ValueError, match="cannot read size"):
         open_store("memory:lots")
+    # a size without a unit was bytes: 'disk:PATH:512' took every write as too large, silently
+    for spec in (f"disk:{tmp_path / 'kv'}:512", "memory:512", f"memory,disk:{tmp_path / 'kv'}:1.5"):
+        with pytest.raises(ValueError, match="has no unit: write e.g. 512MB|has no unit: write e.g. 1.5MB"):
+            open_store(spec)
+    assert open_store(f"disk:{tmp_path / 'kv'}:512B").capacity_bytes == 512  # bytes, when meant
 
 
 def test_engine_reuses_disk_entries_across_restarts_and_recomputes_corrupt(tmp_path, default_model_dir):

@@ -111,6 +111,29 @@ def test_a_read_only_store_directory_serves_read_only(model, reference, tmp_path
     assert str(root) in caplog.text
 
 
+@pytest.mark.parametrize("what", ["index", "folder"])
+def test_a_read_only_tier_takes_writes_again_once_it_can(tmp_path, monkeypatch, what):
+    """A tier that went read-only (the index could not be opened for writing, the folder
+    was read-only) stayed so for the life of the process: a server wrote nothing to disk
+    again after a remount or a permission fix until it was restarted."""
+    root = tmp_path / "kv"
+    first = DiskStore(root)
+    assert first.put(_key(0), _kv(0))
+    first.index.close()
+    paths = [p for p in (root / "index.sqlite3", root / "index.sqlite3-wal", root / "index.sqlite3-shm")
+             if p.exists()] if what == "index" else [*sorted(root.rglob("*"), reverse=True), root]
+    with immutable(*paths):
+        store = DiskStore(root)
+        assert not store.put(_key(1), _kv(1)) and store.read_only
+        assert store.get(_key(0)) is not None  # served meanwhile
+    assert not store.put(_key(1), _kv(1)) and store.read_only  # tried again once a minute, not per write
+    monkeypatch.setattr("cacheblend.store.disk_index.RETRY_WRITES_S", 0.0)
+    assert store.put(_key(1), _kv(1)) and not store.read_only
+    store.index.close()
+    again = DiskStore(root)
+    assert len(again) == 2 and again.get(_key(1)) is not None  # in the file index, for every process
+
+
 def test_a_read_only_store_without_hints_is_served_and_the_hint_tried_once(model, tmp_path):
     """Entries stored before deviation hints, in a store that cannot be written: every prompt
     is served (with the full check) and each entry's hint is attempted once per retry

@@ -69,6 +69,8 @@ def _tier(spec: str, options: StoreOptions, create: bool) -> Tier:
         if not arg:
             raise ValueError("disk tier needs a path: 'disk:PATH' or 'disk:PATH:SIZE'")
         path, _, size = arg.rpartition(":")
+        if path and size.strip().replace(".", "", 1).isdigit():
+            parse_size(size)  # a number without a unit: refused, naming the unit it lacks
         path, capacity = (path, parse_size(size)) if path and is_size(size) else (arg, None)
         return DiskStore(path, capacity, namespace=options.namespace, signer=options.signer, create=create)
     raise ValueError(

@@ -150,7 +150,7 @@ class DiskStore:
         """Store ``kv``; False when it is skipped (too big, read-only, disk full): a write
         the tier cannot make never fails the request that asked for it."""
         path = self.path(key)
-        if self.index.read_only or path.parent.is_symlink():
+        if not self.index.writable() or path.parent.is_symlink():
             self.skipped_writes += 1
             return False
         blob = st_save(*self._encode(key, kv))

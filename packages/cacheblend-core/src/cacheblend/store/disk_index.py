@@ -5,7 +5,8 @@ So it heals instead of failing a request: an index that is damaged (``database d
 is malformed``, ``file is not a database``) is moved aside to ``index.sqlite3.damaged``
 and rebuilt from the headers; one that cannot be written (a read-only file or
 directory, a full disk, an I/O error) turns the tier read-only, with one warning naming
-the path; one that cannot be opened at all is rebuilt in memory.  SQLite's locking lets
+the path, and tries writes again every minute; one that cannot be opened at all is
+rebuilt in memory (and the file opened again once it can be).  SQLite's locking lets
 several processes share it, and eviction and publication are single write transactions.
 """
 
@@ -22,6 +23,9 @@ from pathlib import Path
 log = logging.getLogger("cacheblend.store")
 INDEX = "index.sqlite3"
 Row = tuple[str, int, float, int, int]  # key, bytes, used, learned, tokens
+# A read-only index tries writes again this often: a disk was freed, a permission fixed, a
+# mount remounted read-write; a long-running server would else write nothing until restarted.
+RETRY_WRITES_S = 60.0
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, bytes INTEGER, used REAL, "
            "learned INTEGER NOT NULL DEFAULT 0, tokens INTEGER NOT NULL DEFAULT 0)")
 
@@ -61,6 +65,8 @@ class DiskIndex:
         self.read_only = False
         self.rebuilds = 0
         self.problem: str | None = None  # why the index was rebuilt or went read-only
+        self._memory = False  # the index is the in-memory one: the file could not be opened for writing
+        self._read_only_at = 0.0  # when it went (or last stayed) read-only
         self._inode: int | None = None  # of the file we have open: another process may replace it
         self._db = self._open() if writable else self._in_memory(f"{root} cannot be written; serving read-only")
 
@@ -125,6 +131,7 @@ class DiskIndex:
     def _in_memory(self, why: str) -> sqlite3.Connection:
         """An index in memory, from the headers: the tier serves what it has, writes nothing."""
         self.read_only, self.problem = True, why
+        self._memory, self._read_only_at = True, time.monotonic()
         log.warning("disk tier: %s", why)
         db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         db.execute(_SCHEMA)
@@ -162,7 +169,36 @@ class DiskIndex:
     def _go_read_only(self, error: sqlite3.Error) -> None:
         if not self.read_only:
             self.read_only, self.problem = True, f"index {self.path} cannot be written ({error})"
+            self._read_only_at = time.monotonic()
             log.warning("disk tier: index %s cannot be written (%s); serving read-only", self.path, error)
+
+    def writable(self) -> bool:
+        """Whether a write may be tried.  Read-only, the index tries again every
+        :data:`RETRY_WRITES_S` (if the next write fails, read-only for another interval)."""
+        if self.read_only and time.monotonic() - self._read_only_at >= RETRY_WRITES_S:
+            with self._lock:
+                if self.read_only and time.monotonic() - self._read_only_at >= RETRY_WRITES_S:
+                    self._try_writes_again()
+        return not self.read_only
+
+    def _try_writes_again(self) -> None:
+        """Open the index file again (a connection SQLite opened read-only stays so) and let
+        the next write find out; if it cannot be opened, the index serves on as it was."""
+        self._read_only_at = time.monotonic()
+        try:
+            db = self._connect()
+        except sqlite3.Error:
+            return
+        try:
+            if db.execute("SELECT COUNT(*) FROM entries").fetchone()[0] == 0:
+                self._fill(db, self._scan())
+        except sqlite3.Error:
+            db.close()
+            return
+        self._db.close()
+        self._db, self._memory = db, False
+        self.read_only, self.problem = False, None
+        log.warning("disk tier: index %s is tried for writes again", self.path)
 
     # -- queries ---------------------------------------------------------------------
     def run(self, fn: Callable[[sqlite3.Connection], object], write: bool = False):

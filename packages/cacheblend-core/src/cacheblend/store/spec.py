@@ -107,6 +107,8 @@ def parse_size(text: str) -> int:
         value = float(num) * units[unit]
     except ValueError as e:
         raise ValueError(f"cannot read size {text!r} (examples: 512MB, 2GB, 1GiB)") from e
+    if not unit:  # 'disk:/kv:512' meant 512 bytes: every entry was too large, every write skipped
+        raise ValueError(f"size {text!r} has no unit: write e.g. {num}MB or {num}GB ({num}B for bytes)")
     if not math.isfinite(value) or value < 1:
         raise ValueError(f"size {text!r} must be a positive, finite number of bytes (examples: 512MB, 2GB)")
     return int(value)
