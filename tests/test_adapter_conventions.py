@@ -27,6 +27,7 @@ from llama_index.core import Settings  # noqa: E402
 from llama_index.llms.cacheblend import CacheBlendLLM, CacheBlendSynthesizer  # noqa: E402
 
 from cacheblend.aio import CallCancelled, raise_if_cancelled  # noqa: E402
+from cacheblend.errors import CacheBlendError  # noqa: E402
 from conftest import give_up_on  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -192,8 +193,42 @@ def test_tokens_are_counted_by_the_models_tokenizer(default_engine):
 def test_a_model_name_given_where_the_engine_goes_is_a_clear_error():
     """``CacheBlendLLM("model-id")`` took the string as its engine and failed at the first
     call with an AttributeError."""
-    from cacheblend import CacheBlendError
 
     with pytest.raises(CacheBlendError, match="takes an Engine or RemoteEngine.*model="):
         CacheBlendLLM("HuggingFaceTB/SmolLM2-135M-Instruct")
 
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_synthesizers_llm_event_ends_when_its_answer_fails(default_engine, monkeypatch, streaming):
+    """A timed-out answer left the synthesizer's LLM callback event open: a handler
+    (LlamaDebugHandler, a tracer) held an event that never ended.  LlamaIndex's own LLMs
+    end it with the exception."""
+    from llama_index.core.callbacks import CallbackManager, LlamaDebugHandler
+    from llama_index.core.callbacks.schema import CBEventType, EventPayload
+
+    debug = LlamaDebugHandler()
+    llm = CacheBlendLLM(engine=default_engine, request_timeout=0.3, max_tokens=4)
+    synth = CacheBlendSynthesizer(llm=llm, streaming=streaming, callback_manager=CallbackManager([debug]))
+    finish = default_engine.decoder.finish
+    monkeypatch.setattr(default_engine.decoder, "finish", lambda *a: (time.sleep(0.05), finish(*a))[1])
+    with pytest.raises(TimeoutError):
+        out = synth.get_response("Where is Vienna?", [VIENNA])
+        "".join(out) if streaming else None
+    pairs = debug.get_event_pairs(CBEventType.LLM)
+    assert pairs and all(len(pair) == 2 for pair in pairs)
+    assert isinstance(pairs[-1][1].payload[EventPayload.EXCEPTION], TimeoutError)
+
+
+def test_llamaindex_refuses_tool_calls_and_keeps_its_api_key_secret(default_engine):
+    """An assistant message's tool_calls were dropped without a word (LangChain's adapter
+    refuses them), and CacheBlendLLM's api_key showed in repr and to_json (a saved configuration)."""
+    from llama_index.core.base.llms.types import ChatMessage
+
+    llm = CacheBlendLLM(engine=default_engine, api_key="sk-do-not-show", max_tokens=1)
+    assert "sk-do-not-show" not in repr(llm) + str(llm) + llm.to_json() and llm.api_key == "sk-do-not-show"
+    calls = [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]
+    with pytest.raises(CacheBlendError, match="tool_calls"):
+        llm.chat([ChatMessage(role="user", content="Hi"),
+                  ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": calls}),
+                  ChatMessage(role="user", content="And?")])

@@ -148,7 +148,10 @@ class CacheBlendLLM(CustomLLM):
                                                       "(also learn_passages, as in ChatCacheBlend).")
     base_url: str | None = Field(default=None, description="An OpenAI-compatible vLLM server with the CacheBlend "
                                                            "connector to answer instead of the in-process engine.")
-    api_key: str | None = Field(default=None, description="The server's API key, with base_url.")
+    # kept out of repr and of to_dict/to_json (a saved configuration must not carry it):
+    # LlamaIndex's serialisation cannot write pydantic's SecretStr, which ChatCacheBlend uses
+    api_key: str | None = Field(default=None, repr=False, exclude=True,
+                                description="The server's API key, with base_url.")
     context_window: int | None = Field(default=None, gt=0, description="Tokens a prompt may fill (None: the "
                                                                         "model's context; capped by it).")
     request_timeout: float | None = Field(default=_D.timeout, gt=0, description="Seconds a call may take, "
@@ -279,6 +282,9 @@ class CacheBlendLLM(CustomLLM):
                     kind = getattr(block, "block_type", type(block).__name__)
                     raise CacheBlendError(f"CacheBlendLLM takes text only; message {i} has a content block of "
                                           f"type {kind!r} ({type(block).__name__})")
+            if calls := (m.additional_kwargs or {}).get("tool_calls"):  # its text alone would hide the calls
+                raise CacheBlendError(f"CacheBlendLLM takes text only; message {i} carries tool_calls "
+                                      f"({len(calls)}), which the engine's chat template cannot show")
             out.append({"role": role, "content": m.content or ""})
         return out
 

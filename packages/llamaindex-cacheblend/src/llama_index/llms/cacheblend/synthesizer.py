@@ -102,10 +102,19 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         self.callback_manager.on_event_end(CBEventType.LLM, event_id=event_id,
                                            payload={EventPayload.PROMPT: query_str, EventPayload.COMPLETION: response})
 
+    def _failed(self, event_id: str, error: BaseException) -> None:
+        """End the LLM event with the error, as LlamaIndex's own LLM callbacks do: handlers
+        (``LlamaDebugHandler``, tracing) would otherwise keep an event that never ends."""
+        self.callback_manager.on_event_end(CBEventType.LLM, event_id=event_id,
+                                           payload={EventPayload.EXCEPTION: error})
+
     def _stream(self, query_str: str, gen: GenerationRun, event_id: str,
                 sink: dict | None) -> Generator[str, None, None]:
         try:
             yield from gen.pieces
+        except BaseException as e:  # a timeout, a cancelled stream (GeneratorExit) too
+            self._failed(event_id, e)
+            raise
         finally:
             gen.pieces.close()
         self._done(event_id, query_str, gen, sink)
@@ -116,7 +125,11 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         event_id = self._event(query_str, text_chunks)
         if self._streaming:
             return self._stream(query_str, gen, event_id, sink)
-        finish(gen)
+        try:
+            finish(gen)
+        except BaseException as e:
+            self._failed(event_id, e)
+            raise
         self._done(event_id, query_str, gen, sink)
         return gen.result.text  # type: ignore[union-attr]
 
@@ -126,7 +139,11 @@ class CacheBlendSynthesizer(BaseSynthesizer):
         event_id = self._event(query_str, text_chunks)
         if self._streaming:
             return self._astream(iterate_in_thread(lambda: self._stream(query_str, gen, event_id, sink)))
-        await run_in_thread(finish, gen)
+        try:
+            await run_in_thread(finish, gen)
+        except BaseException as e:
+            self._failed(event_id, e)
+            raise
         self._done(event_id, query_str, gen, sink)
         return gen.result.text  # type: ignore[union-attr]
 
