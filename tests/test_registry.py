@@ -32,3 +32,23 @@ def test_matcher_finds_chunks_by_token_ids(default_engine, tmp_path):
     a = len(head)
     assert matcher.find(ids) == [(a, a + len(chunks[0])), (a + len(chunks[0]), a + len(chunks[0]) + len(chunks[1]))]
     assert matcher.find(head + tail) == []
+
+
+def test_a_redis_registry_sees_an_add_that_follows_a_removal(default_engine, redis_server):
+    """The connector re-reads a Redis registry when its version changes; the version was
+    the set's size, so a passage added after one was removed kept the size and was never
+    seen by a running server."""
+    import redis
+
+    url = redis_server.url.rsplit("/", 1)[0] + "/5"  # a database of its own
+    redis.Redis.from_url(url).flushdb()
+    prompts = default_engine.prompts
+    old, new = "Lyon lies where the Rhone meets the Saone.", "Porto lies at the mouth of the Douro river."
+    register_passages(url, [old])
+    matcher = ChunkMatcher(prompts.encode, path=url)
+    matcher.refresh()
+    redis.Redis.from_url(url).srem("cacheblend:passages", old)  # removed by hand, then another added
+    register_passages(url, [new])
+    matcher.refresh()
+    ids = prompts.encode("Read:\n") + prompts.chunk_ids(new) + prompts.encode("Where is Porto?")
+    assert matcher.find(ids) != []

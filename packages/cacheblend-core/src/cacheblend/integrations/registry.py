@@ -20,6 +20,7 @@ _ANCHOR = 4  # chunks are indexed by their first ids; shorter chunks are not wor
 _LOCK = threading.Lock()
 
 REDIS_PASSAGES_KEY = "cacheblend:passages"  # the default namespace's set
+_VERSION = ":version"  # after the set's key: a counter of register_passages calls
 REDIS_TIMEOUT_S = 2.0
 log = logging.getLogger("vllm.cacheblend")
 
@@ -62,7 +63,12 @@ def register_passages(path: str | os.PathLike, texts: Iterable[str], namespace: 
     for.  Call it where the chunks are ingested."""
     new = [t for t in dict.fromkeys(texts) if isinstance(t, str) and t.strip()]
     if _is_redis(path):
-        return int(_redis(str(path)).sadd(passages_key(namespace), *new)) if new else 0
+        if not new:
+            return 0
+        key = passages_key(namespace)
+        with _redis(str(path)).pipeline() as pipe:  # one transaction: the set and its version
+            added, _ = pipe.sadd(key, *new).incr(key + _VERSION).execute()
+        return int(added)
     p = Path(path)
     known = set(read_passages(p))
     new = [t for t in new if t not in known]
@@ -91,10 +97,14 @@ def read_passages(path: str | os.PathLike, namespace: str | None = None) -> list
     return out
 
 
-def _registry_version(path: str | os.PathLike, namespace: str | None) -> float | None:
-    """What changes when passages are added: a file's mtime, a Redis set's size."""
+def _registry_version(path: str | os.PathLike, namespace: str | None) -> object:
+    """What changes when passages are added: a file's mtime; a Redis set's size with the
+    counter :func:`register_passages` increments (the size alone missed an add that
+    followed a removal; the counter alone, texts added by other means)."""
     if _is_redis(path):
-        return float(_redis(str(path)).scard(passages_key(namespace)))
+        key = passages_key(namespace)
+        with _redis(str(path)).pipeline(transaction=False) as pipe:
+            return tuple(pipe.scard(key).get(key + _VERSION).execute())
     try:
         return Path(path).stat().st_mtime
     except FileNotFoundError:
@@ -111,7 +121,7 @@ class ChunkMatcher:
                  namespace: str | None = None) -> None:
         self.encode, self.separator = encode, separator
         self.path, self.namespace = path or None, namespace
-        self._mtime: float | None = None
+        self._mtime: object = None  # the registry's version when last read
         self._failed_at: float | None = None  # when the registry last could not be read
         self._texts: set[str] = set()
         self._by_anchor: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
