@@ -218,8 +218,9 @@ def server_for(kind: str, model: str, args: argparse.Namespace, work: Path) -> V
     elif kind == "plain":
         vargs += ("--no-enable-prefix-caching",)
     else:
+        budget = {"max_blend_tokens": args.max_blend_tokens} if args.max_blend_tokens else {}
         connector = kv_transfer_config(f"memory,disk:{work / 'kv'}", passages=str(work / "passages.jsonl"),
-                                       stats=str(args.out / "stats.jsonl"))
+                                       stats=str(args.out / "stats.jsonl"), **budget)
     return VLLMServer(model, connector, python=str(vllm_python(args.vllm_python)), args=vargs,
                       log_path=args.out / f"vllm-{kind}.log")
 
@@ -285,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16, help="tokens per answer (ignore_eos)")
     ap.add_argument("--idle", type=int, default=5, help="requests one at a time for the idle TTFT")
     ap.add_argument("--max-seqs", type=int, default=16, help="vLLM --max-num-seqs")
+    ap.add_argument("--max-blend-tokens", type=int, default=None, metavar="N",
+                    help="the connector's blend budget per step (default: vLLM's max_num_batched_tokens)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-python", default=None, help="python of the vLLM venv (default: "
                     "$CACHEBLEND_VLLM_PYTHON, else this repository's .venv-vllm)")

@@ -242,12 +242,11 @@ def _step(side: SchedulerSide) -> None:
 
 def test_a_burst_of_blends_is_spread_over_steps_by_the_blend_budget(default_model_dir):
     """A blended request costs vLLM one scheduled token, but its fused prefill runs before
-    the step's forward: three at once used to run in one step and hold every running decode
-    for all three.  Past the step's budget a blend waits (None: vLLM asks again next step);
-    the first blend of a step always runs, and a plain request is never held."""
-    side = SchedulerSide(ConnectorConfig.parse({"store": "memory"}), model_dir=str(default_model_dir),
-                         block_size=16, num_layers=30, chunk_sink="frame", connector="CacheBlendConnector",
-                         step_tokens=250)  # vLLM's max_num_batched_tokens: the default budget
+    the step's forward: three at once run in one step and hold every running decode for all
+    three.  With ``max_blend_tokens``, a blend past the step's budget waits (None: vLLM asks
+    again next step); the first blend of a step always runs, a plain request is never held,
+    and without the option nothing is held."""
+    side = _side(default_model_dir, max_blend_tokens=250)
     burst = [_request(f"b{i}", list(range(100)), {"chunks": [[10, 50]]}) for i in range(3)]
     assert side.loaded_tokens(burst[0], 0) == 99
     side.after_alloc(burst[0], 99)
@@ -262,18 +261,18 @@ def test_a_burst_of_blends_is_spread_over_steps_by_the_blend_budget(default_mode
     assert side.loaded_tokens(big, 0) is None
     _step(side)
     assert side.loaded_tokens(big, 0) == 399  # alone in its step, though over the budget
-    one = SchedulerSide(ConnectorConfig.parse({"store": "memory", "max_blend_tokens": 1}),
-                        model_dir=str(default_model_dir), block_size=16, num_layers=30, chunk_sink="frame",
-                        connector="CacheBlendConnector", step_tokens=10_000)
-    assert one.loaded_tokens(burst[0], 0) == 99  # the option wins over vLLM's step budget:
+    one, unbounded = _side(default_model_dir, max_blend_tokens=1), _side(default_model_dir)
+    assert one.loaded_tokens(burst[0], 0) == 99
     one.after_alloc(burst[0], 99)
     assert one.loaded_tokens(burst[1], 0) is None  # one blend per step
-    for req in [*burst, _request("plain", list(range(100))), big]:
-        side.finished(req)
-        one.finished(req)
-    side.take_receipts({})
-    one.take_receipts({})
-    assert side.live_requests() == one.live_requests() == 0
+    for req in burst:  # the default: no bound
+        assert unbounded.loaded_tokens(req, 0) == 99
+        unbounded.after_alloc(req, 99)
+    for each in (side, one, unbounded):
+        for req in [*burst, _request("plain", list(range(100))), big]:
+            each.finished(req)
+        each.take_receipts({})
+        assert each.live_requests() == 0
 
 
 @pytest.mark.parametrize("value", [0, -5, 2.5, True, "100"])

@@ -108,9 +108,10 @@ class ConnectorConfig:
 
     ``max_blend_tokens`` bounds what one scheduler step blends: a blended request costs
     vLLM one scheduled token, but its fused prefill runs before the step's forward, so a
-    burst of blends would hold up every running decode.  Blended prompt tokens beyond it
-    wait for the next step (the first blend of a step always runs); default vLLM's
-    ``max_num_batched_tokens``, so a step's blends cost less than one step of plain prefill."""
+    burst of blends holds up every running decode for all of them.  Blended prompt tokens
+    beyond it wait for the next step (the first blend of a step always runs).  Default: no
+    bound; under open-loop load on 2 cores, a bound of vLLM's step budget gave no better
+    TTFT or end-to-end latency and fewer answers per minute at saturation (docs/vllm.md)."""
 
     store: str | None = None
     passages: str | None = None

@@ -82,8 +82,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
                                        connector=type(self).__name__,
                                        prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
                                        exact_behind_sink=exact_behind_sink, receipts=receipts,
-                                       unsupported=_unsupported(vllm_config),
-                                       step_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+                                       unsupported=_unsupported(vllm_config))
         self.worker = WorkerSide(config, model_dir=model.model, dtype=model.dtype, chunk_sink=chunk_sink,
                                  block_size=block_size, vllm_config=vllm_config, kv_cache_config=kv_cache_config)
 

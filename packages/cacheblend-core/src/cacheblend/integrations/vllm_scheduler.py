@@ -32,12 +32,11 @@ class SchedulerSide:
     def __init__(self, config: ConnectorConfig, *, model_dir: str, block_size: int, num_layers: int,
                  chunk_sink: str, connector: str, prefix_caching: bool = False,
                  exact_behind_sink: bool = True, receipts: ReceiptBox | None = None,
-                 unsupported: str | None = None, step_tokens: int | None = None) -> None:
+                 unsupported: str | None = None) -> None:
         self.config = config
         self.model_dir = model_dir
         self.min_tokens = config.min_tokens if config.min_tokens is not None else 2 * block_size
-        # blended prompt tokens one step may run (ConnectorConfig.max_blend_tokens; vLLM's step budget)
-        self.max_blend_tokens = config.max_blend_tokens or step_tokens
+        self.max_blend_tokens = config.max_blend_tokens  # blended prompt tokens one step may run (None: any)
         self._step_blended = 0  # blended prompt tokens admitted in the step being scheduled
         self.num_layers = num_layers
         self.chunk_sink = chunk_sink  # every answer's marker names it (a RemoteEngine adopts it)
