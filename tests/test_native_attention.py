@@ -79,6 +79,36 @@ def test_kernel_refuses_bad_input_by_name():
         kernel(torch.randn(4, 1, 64), k.half(), k.half(), 5, 0.1, 1)
 
 
+@needs_kernel
+def test_degenerate_shapes_raise_instead_of_killing_the_process():
+    """No KV heads or a head_dim of 0 divided by zero inside the kernels (SIGFPE: the whole
+    process died), and a q of another head_dim was read as another shape, silently."""
+    script = """
+import torch
+from cacheblend import native
+da, pa = native.decode_attention(), native.positional_attention()
+cases = [lambda: da(torch.randn(0, 1, 64), torch.randn(0, 4, 64), torch.randn(0, 4, 64), 1, .1, 1),
+         lambda: da(torch.randn(2, 1, 0), torch.randn(2, 4, 0), torch.randn(2, 4, 0), 1, .1, 1),
+         lambda: pa(torch.randn(0, 3, 64), torch.randn(0, 4, 64), torch.randn(0, 4, 64), torch.arange(3), .1, 0),
+         lambda: da(torch.randn(4, 1, 32), torch.randn(1, 8, 64), torch.randn(1, 8, 64), 8, .1, 1)]
+for case in cases:
+    try:
+        case()
+        print("computed")
+    except RuntimeError:
+        print("refused")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and out.stdout.split() == ["refused"] * 4, (out.returncode, out.stderr[-500:])
+
+
+def test_a_compiler_named_with_its_wrapper_is_found(monkeypatch):
+    """``CXX="ccache g++"`` was looked up whole on PATH: the kernels were reported
+    unavailable although PyTorch's builder runs that command as it is."""
+    monkeypatch.setenv("CXX", "env c++")
+    assert native.unavailable_reason() is None or "compiler" not in native.unavailable_reason()
+
+
 def reference_by_position(q, k, v, q_pos, scale, window=None):
     """Float64 attention of q [H, m, hd] at positions ``q_pos`` over keys 0..q_pos[i]."""
     h, kvh = q.shape[0], k.shape[0]

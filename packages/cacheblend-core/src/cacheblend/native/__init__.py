@@ -30,6 +30,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import threading
 import time
@@ -106,7 +107,8 @@ def unavailable_reason() -> str | None:
     """Why the kernel cannot run here (None: it can be built)."""
     if isa() is None:
         return f"the CPU has neither AVX-512 nor AVX2 (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    compiler = shlex.split(os.environ.get("CXX", "c++")) or ["c++"]  # "ccache g++": the compiler is the wrapper
+    if shutil.which(compiler[0]) is None:
         return "no C++ compiler (c++ or $CXX) on PATH"
     try:
         import ninja  # noqa: F401 - the builder's tool; its binary goes on PATH below

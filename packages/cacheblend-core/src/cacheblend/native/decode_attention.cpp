@@ -140,9 +140,11 @@ static at::Tensor dispatch_hd(const at::Tensor& q, const at::Tensor& k, const at
 // keys 0..n-1, scale, key slices per head (work items: KVH x splits).  Returns [H, 1, hd] in q's dtype.
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, int64_t n, double scale, int64_t splits) {
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.strides() == v.strides(), "K/V rows must be contiguous");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "k and v must both be [kv_heads, capacity, head_dim]");
+  TORCH_CHECK(k.size(0) >= 1 && k.size(2) >= 1, "k and v need at least one head of head_dim >= 1");
   TORCH_CHECK(n >= 1 && n <= k.size(1), "n must be in [1, capacity]");
-  TORCH_CHECK(q.numel() % k.size(2) == 0 && (q.numel() / k.size(2)) % k.size(0) == 0,
+  TORCH_CHECK(q.size(-1) == k.size(2) && (q.numel() / k.size(2)) % k.size(0) == 0,
               "q must hold a multiple of kv_heads query heads of head_dim");
   TORCH_CHECK(splits >= 1 && splits <= 64, "splits must be in [1, 64]");
   if (k.scalar_type() == at::kFloat) return dispatch_hd<float>(q, k, v, n, scale, splits);

@@ -11,7 +11,10 @@
 // * Re-positioning (reposition): every reused span of a layer in one call, its keys plus the
 //   chunk shift rotated into the fused cache and its values plus theirs copied beside them.
 // * SiLU gate times up: the same expression as PyTorch's SiLU kernel (x / (1 + exp(-x)) with
-//   the same vectorized exp), then the product: the same bits, without the gate's temporary.
+//   the same vectorized exp), then the product, without the gate's temporary: the same bits
+//   where a row's width is a multiple of the vector width (8 floats on AVX2, 16 on AVX-512;
+//   every model's here), else a row's tail may differ in the last bit (PyTorch computes only
+//   the flattened tensor's tail with the scalar exp).
 //
 // bfloat16 is computed in float32 and rounded to bfloat16 wherever PyTorch's bfloat16 ops
 // round (after each product and sum; the norm in float32, then rounded, then times the

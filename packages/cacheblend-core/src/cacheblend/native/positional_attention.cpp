@@ -259,6 +259,9 @@ at::Tensor positional_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
   TORCH_CHECK(q_pos.scalar_type() == at::kLong && q_pos.is_contiguous(), "q_pos must be contiguous int64");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2),
               "q must be [heads, rows, head_dim], k and v [kv_heads, keys, head_dim]");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && q_pos.device().is_cpu(),
+              "CPU tensors only");
+  TORCH_CHECK(k.size(0) >= 1 && k.size(2) >= 1, "k and v need at least one head of head_dim >= 1");
   TORCH_CHECK(q.size(0) % k.size(0) == 0, "query heads must be a multiple of kv_heads");
   TORCH_CHECK(q_pos.dim() == 1 && q_pos.size(0) == q.size(1) && q.size(1) >= 1, "q_pos must hold one position per query row");
   const int64_t* p = q_pos.data_ptr<int64_t>();
