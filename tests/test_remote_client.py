@@ -62,7 +62,7 @@ class FakeVLLM:
     the connector keeps receipts; ``receipt(path)`` answers the receipt fetch as
     (status, headers, body bytes).  ``sent`` collects each request's ``kv_transfer_params``."""
 
-    def __init__(self, model_dir, receipt, refuse: str | None = None) -> None:
+    def __init__(self, model_dir, receipt, refuse: str | None = None, slow_s: float = 0.0) -> None:
         import json
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -97,6 +97,8 @@ class FakeVLLM:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 sent.append(body.get("kv_transfer_params") or {})
                 bodies.append(body)
+                if body.get("stream"):
+                    time.sleep(slow_s)  # a server slow to answer
                 if refuse and body.get("stream"):
                     error = {"message": refuse, "type": "BadRequestError", "param": None, "code": 400}
                     self._reply(400, json.dumps({"error": error}).encode())
@@ -241,5 +243,22 @@ def test_a_cancelled_async_stream_from_a_server_is_closed(default_model_dir):
 
         give_up_on(pieces, 0.5)
         assert closed and gen.result is None  # stopped before the stream's end
+    finally:
+        server.close()
+
+
+def test_a_remote_requests_timeout_bounds_it_and_raises_timeout_error(default_model_dir):
+    """``timeout=`` raised openai's APITimeoutError (not a TimeoutError, as the engine's), and
+    only after openai's retries, each waiting the whole timeout again and sending the
+    generation again."""
+    server = FakeVLLM(default_model_dir, lambda path: (404, b"{}"), slow_s=3.0)
+    try:
+        engine = RemoteEngine(server.url, max_retries=2)
+        t = time.perf_counter()
+        with pytest.raises(TimeoutError, match="timeout ran out"):
+            "".join(engine.start_chat([{"role": "user", "content": "Hi?"}], method="full", max_new_tokens=4,
+                                      timeout=1.0).pieces)
+        assert time.perf_counter() - t < 2.5
+        assert sum(1 for b in server.bodies if b.get("stream")) == 1  # sent once
     finally:
         server.close()

@@ -60,14 +60,23 @@ class RemoteGeneration:
         self.pieces: Generator[str, None, None] = self._pieces(stream_fn)
 
     def _pieces(self, stream_fn: Callable[[], Any]) -> Generator[str, None, None]:
-        from openai import BadRequestError
+        from openai import APITimeoutError, BadRequestError
 
-        text, ttft, finish, usage = "", None, "length", None
         try:
             stream = stream_fn()
         except BadRequestError as e:  # bad input, as the engine's own checks raise it: never retried
             said = e.body.get("message") if isinstance(e.body, dict) else None
             raise CacheBlendError(f"the server refused the request: {said or e.message}") from e
+        except APITimeoutError as e:  # the request's timeout, as the engine raises it (not an openai error)
+            raise TimeoutError("the request's timeout ran out before the server answered") from e
+        try:
+            yield from self._read(stream)
+        except APITimeoutError as e:
+            raise TimeoutError("the request's timeout ran out while the server answered") from e
+
+    def _read(self, stream: Any) -> Generator[str, None, None]:
+        """The stream's text pieces; then ``result``, with the server's receipt."""
+        text, ttft, finish, usage = "", None, "length", None
         try:
             for chunk in stream:
                 raise_if_cancelled()  # a cancelled async call closes the stream (below): vLLM stops decoding
@@ -352,13 +361,16 @@ class RemoteEngine(Answering):
             params["receipt"] = tag
 
         def stream():
-            return self.client.completions.create(
+            # with a timeout, one try within the time left (openai would retry each with the whole
+            # timeout again); the stream's reads wait at most that long too
+            client = self.client if opts.timeout is None else self.client.with_options(
+                max_retries=0, timeout=max(0.001, t0 + opts.timeout - time.perf_counter()))
+            return client.completions.create(
                 model=self.model_name, prompt=ids, max_tokens=budget,
                 temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
                 stop=list(sampling.stop) or None, stream=True,
                 stream_options={"include_usage": True},
-                extra_body={"kv_transfer_params": params, "ignore_eos": sampling.ignore_eos},
-                **({"timeout": opts.timeout} if opts.timeout is not None else {}))
+                extra_body={"kv_transfer_params": params, "ignore_eos": sampling.ignore_eos})
 
         return RemoteGeneration(stream, stats, t0, opts.timeout,
                                 receipt=(lambda deadline: self._fetch_receipt(tag, deadline)) if tag else None)
