@@ -148,3 +148,23 @@ def test_split_keeps_non_ascii_separators_and_reads_escapes(tmp_path):
     assert _read_chunks([doc], _split("\\n\\n")) == ["alpha — beta", "gamma"]
     with pytest.raises(ValueError, match="--split .* bad backslash escape"):
         _split("\\x")
+
+
+def test_clearing_several_tiers_asks_once_before_touching_any(tmp_path, monkeypatch, capsys):
+    """``store clear`` asked per tier and deleted as it went: "y" then "n" wiped the first
+    tier and reported "nothing deleted"; the question went to stdout, the JSON's channel."""
+    import torch
+
+    from cacheblend.cli import app
+    from cacheblend.store import ChunkKV, DiskStore
+
+    for name in ("a", "b"):
+        DiskStore(tmp_path / name).put("ab" + "1" * 62, ChunkKV(torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4, 8)))
+    answers = iter(["y", "n"])
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda *a: next(answers))
+    assert app(["store", "clear", "--store", f"disk:{tmp_path / 'a'},disk:{tmp_path / 'b'}"]) == 0
+    out = capsys.readouterr()
+    assert [r["cleared"] for r in json.loads(out.out)] == [True, True]  # stdout: the JSON alone
+    assert str(tmp_path / "a") in out.err and str(tmp_path / "b") in out.err  # one question naming both
+    assert len(DiskStore(tmp_path / "a")) == len(DiskStore(tmp_path / "b")) == 0

@@ -226,3 +226,29 @@ def test_a_signed_entry_read_as_another_dtype_is_rejected(tmp_path):
     with pytest.raises(CorruptEntry, match="dtype"):
         source.layer(0)
     assert store.open(KEY) is None  # condemned: recomputed next time, never served
+
+
+def test_verify_under_the_wrong_key_drops_nothing(tmp_path):
+    """``cacheblend store verify`` with a mistyped key (or a stray CACHEBLEND_STORE_KEY)
+    dropped every entry as badly signed, a shared Redis tier's too, and exited 0."""
+    spec = f"disk:{tmp_path / 'kv'}"
+    signed = open_store(f"{spec},key=right")
+    keys = [f"{i + 1:064x}" for i in range(3)]
+    for i, key in enumerate(keys):
+        assert signed.put(key, _chunk(i))
+    out = _cli("store", "verify", "--store", f"{spec},key=wrong")
+    assert out.returncode == 2 and "fail their signature" in out.stderr and "nothing was dropped" in out.stderr
+    assert len(DiskStore(tmp_path / "kv")) == 3
+    good = _cli("store", "verify", "--store", f"{spec},key=right")
+    assert good.returncode == 0 and json.loads(good.stdout)[0]["dropped"] == 0
+
+
+def test_a_redis_password_in_the_query_is_hidden_too():
+    """redis-py takes ``?password=`` as well as ``:password@``; only the second was hidden
+    (``store stats``, the tier's warnings, ``cacheblend serve``'s banner)."""
+    from cacheblend.store.redis_tier import redact
+    from cacheblend.store.spec import hide_secrets
+
+    url = "redis://127.0.0.1:6379/0?socket_timeout=1&password=s3cret"
+    for shown in (redact(url), hide_secrets(f"memory,{url}")):
+        assert "s3cret" not in shown and "password=***" in shown and "socket_timeout=1" in shown

@@ -101,6 +101,11 @@ def cmd_store(args) -> int:
 
     store = open_store(_default_store(args.store), create=False)
     tiers = store.tiers if isinstance(store, TieredStore) else [store]
+    if args.action == "clear" and not args.yes:  # one answer for every tier, before any is touched
+        names = ", ".join(_where(tier) for tier in tiers)
+        if not _confirm(f"delete every entry of {names}?"):
+            print("cacheblend: nothing deleted (pass --yes to clear without asking)", file=sys.stderr)
+            return 1
     out, failed = [], []
     for tier in tiers:
         failures = _failures(tier)
@@ -115,9 +120,6 @@ def cmd_store(args) -> int:
             if hasattr(tier, "gc"):
                 out.append({"tier": name} | tier.gc())
         elif args.action == "clear":
-            if not (args.yes or _confirm(f"delete every entry of the {name} tier?")):
-                print("cacheblend: nothing deleted (pass --yes to clear without asking)", file=sys.stderr)
-                return 1
             tier.clear()
             out.append({"tier": name, "cleared": True})
         if _failures(tier) > failures:  # a tier that degrades on the request path must not look done here
@@ -158,10 +160,19 @@ def cmd_ui(args) -> int:
     return 0
 
 
+def _where(tier: object) -> str:
+    """A tier as a person tells it apart: its kind and its folder or (redacted) URL."""
+    stats = tier.stats()  # type: ignore[attr-defined]
+    place = stats.get("path") or stats.get("url")
+    return f"the {stats.get('tier', type(tier).__name__)} tier" + (f" {place}" if place else "")
+
+
 def _confirm(question: str) -> bool:
+    """Ask on the terminal; the question goes to stderr, so stdout stays the JSON report."""
     if not sys.stdin.isatty():
         return False
-    return input(f"cacheblend: {question} [y/N] ").strip().lower() in ("y", "yes")
+    print(f"cacheblend: {question} [y/N] ", end="", file=sys.stderr, flush=True)
+    return input().strip().lower() in ("y", "yes")
 
 
 def _default_store(spec: str | None) -> str:

@@ -59,6 +59,7 @@ class DiskStore:
         self.capacity_bytes, self.signer, self.namespace = capacity_bytes, signer, namespace
         self.corrupt = self.unsigned = self.write_errors = self.evictions = self.skipped_writes = 0
         self.reclaimed_bytes = 0
+        self.condemning = True  # entries that fail verification are deleted
         self.last_error: str | None = None
         self._lock = threading.Lock()
         writable = claim(self.root, create)
@@ -140,7 +141,10 @@ class DiskStore:
         return read_entry(self.open(key))
 
     def condemn(self, key: str) -> None:
-        """Count and remove an entry that failed verification."""
+        """Count and remove an entry that failed verification (unless ``condemning`` is
+        off: ``cacheblend store verify``'s look at a sample before it drops anything)."""
+        if not self.condemning:
+            return
         with self._lock:
             self.corrupt += 1
         self.delete(key)

@@ -11,6 +11,8 @@ import blake3
 import torch
 from torch import Tensor
 
+from ..errors import CacheBlendError
+
 
 class CorruptEntry(Exception):
     """A stored entry failed verification while being read; it must be recomputed."""
@@ -170,8 +172,31 @@ def read_entry(source: LayerSource | None) -> ChunkKV | None:
         return None
 
 
+KEY_SAMPLE = 8  # entries whose signatures verify looks at before it drops anything
+
+
 def verify_entries(tier, progress=None) -> dict[str, int]:
-    """Read every entry of ``tier`` fully; the tier drops those that fail."""
+    """Read every entry of ``tier`` fully; the tier drops those that fail.  A signed tier
+    whose sampled entries all fail their signature is left alone, with an error: the key
+    given is most likely not the one they were written with, and verifying would have
+    dropped every entry (a shared Redis tier's, for every replica)."""
     keys = tier.keys()
+    if getattr(tier, "signer", None) is not None and keys:
+        _refuse_a_wrong_key(tier, keys[:KEY_SAMPLE])
     dropped = sum(tier.get(k) is None for k in (progress(keys) if progress else keys))
     return {"checked": len(keys), "dropped": dropped}
+
+
+def _refuse_a_wrong_key(tier, sample: list[str]) -> None:
+    before = tier.unsigned
+    tier.condemning = False  # look only
+    try:
+        for key in sample:
+            tier.open(key)
+    finally:
+        tier.condemning = True
+    failed, tier.unsigned = tier.unsigned - before, before
+    if failed == len(sample):
+        raise CacheBlendError(
+            f"the first {failed} entries all fail their signature: the key given (key= or CACHEBLEND_STORE_KEY) "
+            "is most likely not the one they were written with, or they were written unsigned; nothing was dropped")

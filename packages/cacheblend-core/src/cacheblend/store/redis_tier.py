@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from urllib.parse import urlsplit, urlunsplit
@@ -112,6 +113,7 @@ class RedisStore:
         self.unsigned = 0
         self.unreachable = 0
         self.refused = 0
+        self.condemning = True  # entries that fail verification are deleted
         self.last_error: str | None = None
 
     def _is_entry_name(self, name: bytes) -> bool:
@@ -200,7 +202,10 @@ class RedisStore:
         return self.call(write, write=True) is True
 
     def condemn(self, key: str) -> None:
-        """Count and remove an entry that failed verification."""
+        """Count and remove an entry that failed verification (unless ``condemning`` is
+        off: ``cacheblend store verify``'s look at a sample before it drops anything)."""
+        if not self.condemning:
+            return
         with self._lock:
             self.corrupt += 1
         self.delete(key)
@@ -275,9 +280,9 @@ def _layer_count(raw: bytes | None) -> int | None:
 
 
 def redact(url: str) -> str:
-    """``url`` with its password, if any, replaced by ``***``."""
+    """``url`` with its password, if any, replaced by ``***``: in the user info, or a
+    ``password=`` query argument (redis-py takes either)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    netloc = parts.netloc if parts.password is None else parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    query = re.sub(r"(^|&)(password=)[^&]*", r"\1\2***", parts.query, flags=re.IGNORECASE)
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

@@ -83,6 +83,7 @@ def hide_secrets(text: str) -> str:
     """``text`` (a spec, or one tier of it) with a ``key=`` secret and a URL's user info
     (a Redis password) shown as ``***``, for error messages and logs."""
     text = re.sub(rf"(^|,)\s*key\s*=.*?(?=,\s*{_PART_START}|$)", r"\1key=***", text, flags=re.IGNORECASE | re.DOTALL)
+    text = re.sub(r"([?&]password=)[^&,\s]*", r"\1***", text, flags=re.IGNORECASE)
     return re.sub(r"//[^/@\s]*@", "//***@", text)
 
 
