@@ -109,7 +109,7 @@ def test_two_processes_share_one_disk_store(tmp_path):
     every other run on 2026-11-30: a writer evicted by the other process while writing its
     file still moved the file into place, outside the index (now ``DiskStore._publish``)."""
     cap = 4 * 160_000
-    outs = run_sharers(f"disk:{tmp_path}:{cap}", processes=2, rounds=60)
+    outs = run_sharers(f"disk:{tmp_path}:{cap}B", processes=2, rounds=60)
     assert all(o["bad"] == 0 and o["corrupt"] == 0 for o in outs), outs
     assert sum(o["seen"] for o in outs) > 0
     files = sum(p.stat().st_size for p in tmp_path.glob("??/*.safetensors"))
