@@ -77,3 +77,13 @@ def test_a_templates_fixed_text_above_the_context_stays_prefix(engine):
     assert runs[0].exact_cached_tokens in (0, frame)  # the lead computed; the frame read if stored before
     assert runs[1].exact_cached_tokens == 0 and runs[1].store_misses == 1  # the recurring lead: prefix, stored now
     assert runs[2].exact_cached_tokens > frame and runs[2].store_hits == len(PASSAGES) + 1
+
+
+def test_prefix_caching_of_a_short_chat_without_chunks_is_full_prefill(engine):
+    """A chat with no passage and no kept system instruction has an empty prefix: method
+    "prefix" asked the prefix cache for an empty prompt and raised, where the other methods
+    answered."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    full = _run(engine.start_chat(msgs, method="full", max_new_tokens=3, learn=False))
+    prefix = _run(engine.start_chat(msgs, method="prefix", max_new_tokens=3, learn=False))
+    assert prefix.token_ids == full.token_ids

@@ -65,6 +65,20 @@ def test_paragraphs_and_cut_keep_the_question_and_take_the_blank_line():
     assert "".join(p.text for p in pieces) == text
 
 
+def test_the_pieces_join_to_the_text_when_a_passage_begins_with_a_newline():
+    """A known text that begins with a newline (loaders leave them) is found one character
+    into the blank line after the passage before it; that passage took the whole blank line
+    as well, and the prompt gained a newline, for every method."""
+    index = PassageIndex()
+    long_a, long_b = "A" * 60, "\n" + "B" * 60
+    index.add(long_a)
+    index.add(long_b)
+    text = f"Context:\n{long_a}\n{long_b}\n\nQuestion: what?"  # one blank line, the newline B begins with
+    pieces = cut(text, index, learn_min_chars=25, keep_tail=True)
+    assert "".join(p.text for p in pieces) == text
+    assert [p.passage for p in pieces if p.passage][0] == long_a
+
+
 @pytest.fixture
 def engine(default_model_dir, tmp_path_factory):
     from conftest import make_tiny_model

@@ -78,6 +78,24 @@ def test_every_selection_at_ratio_one_equals_full(tiny_engine, mode):
     assert blend.token_ids == full.token_ids and blend.stats.exact
 
 
+@pytest.mark.parametrize("mode", [dict(chunk_heads=2), dict(chunk_budget="attention")])
+def test_a_check_with_every_candidate_in_the_shift_sample_keeps_them_all(mode):
+    """Tiny chunks (a vLLM client's spans of a token or two): the shift sample can take every
+    candidate still active at the check layer, leaving a negative budget and none to choose
+    from; choosing among none raised (``min()`` of an empty tensor)."""
+    from types import SimpleNamespace
+
+    from cacheblend.blend.check import keep_at_check
+
+    n = 3
+    lay = SimpleNamespace(candidate=torch.ones(n, dtype=torch.bool), n_candidates=n, row_of=torch.arange(n),
+                          chunk_of=torch.arange(n), offset=torch.zeros(n, dtype=torch.long))
+    k = v = torch.randn(2, n, 8)
+    kept = keep_at_check(BlendConfig(recompute_ratio=0.15, **mode), 0, torch.arange(n), lay, [(k, v)], k, v,
+                         torch.full((n,), 1 / n), sample=torch.ones(n, dtype=torch.bool))
+    assert kept is None  # keep all: every one is the sample's
+
+
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
 def test_every_selection_recomputes_its_budget(default_engine, mode):
     handles = default_engine.ingest(PASSAGES)

@@ -244,8 +244,11 @@ def cut(text: str, index: PassageIndex, learn_min_chars: int | None, keep_tail: 
         found.sort(key=lambda s: s.start)
     pieces: list[Piece] = []
     pos = 0
-    for s in found:
-        end = s.end + 2 if text.startswith("\n\n", s.end) else s.end
+    for i, s in enumerate(found):
+        # the blank line after a chunk goes with it, unless the next chunk starts inside it
+        # (a known text that begins with a newline): the pieces must join to the text
+        following = found[i + 1].start if i + 1 < len(found) else len(text)
+        end = s.end + 2 if text.startswith("\n\n", s.end) and s.end + 2 <= following else s.end
         if s.start > pos:
             pieces.append(Piece(text[pos : s.start]))
         pieces.append(Piece(text[s.start : end], text[s.start : s.end], s.learned))

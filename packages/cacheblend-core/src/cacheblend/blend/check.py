@@ -78,7 +78,7 @@ def keep_at_check(
         keep_n -= int(in_sample.sum())
         is_cand = is_cand & ~in_sample
     cand_idx = torch.nonzero(is_cand).squeeze(1)
-    if keep_n >= cand_idx.numel():
+    if cand_idx.numel() == 0 or keep_n >= cand_idx.numel():  # none left to choose from: the sample took them
         return None
     pos = active[cand_idx]
     rows = lay.row_of[pos]

@@ -34,6 +34,8 @@ def prompt_segments(cache: ChunkCache, prompt: PromptIds, handles: Sequence[Chun
     if method == "prefix":
         first = next((i for i, (_, chunk) in enumerate(body) if chunk), -1)  # through it: the prefix cache's
         head = prompt.prefix + [t for ids, _ in body[:first + 1] for t in ids]
+        if not head:  # no prefix and no chunk (a short chat): nothing the prefix cache could hold
+            return [Segment(prompt.all_ids)]
         rest = [t for ids, _ in body[first + 1:] for t in ids]
         return [cache.prefix_segment(head, counter), Segment(rest)]
     segs = [cache.prefix_segment(prompt.prefix, counter)] if prompt.prefix else []
