@@ -131,6 +131,17 @@ def test_the_explorer_reports_decode_time_per_token_not_per_piece(default_engine
     assert answer.decode_ms_per_token == pytest.approx(expected)
 
 
+def test_decode_time_is_the_engines_not_the_consumers(default_engine):
+    """The decode seconds counted the time a consumer held each piece (the explorer yields
+    to Gradio on every one), so its "decode ms per token" measured the browser too."""
+    import time
+
+    run = default_engine.start(QUERY, PASSAGES[:1], max_new_tokens=6, ignore_eos=True)
+    for _ in run.pieces:
+        time.sleep(0.2)  # a slow consumer
+    assert run.result is not None and run.result.stats.seconds["decode"] < 0.5
+
+
 def test_a_cancelled_async_call_stops_its_thread_at_the_next_token(default_engine):
     """``asyncio.wait_for(llm.ainvoke(...), t)`` cancelled the awaiting task, but the engine
     went on decoding to ``max_new_tokens`` on its thread (holding a core and its buffer)."""

@@ -262,3 +262,17 @@ def test_a_remote_requests_timeout_bounds_it_and_raises_timeout_error(default_mo
         assert sum(1 for b in server.bodies if b.get("stream")) == 1  # sent once
     finally:
         server.close()
+
+
+def test_a_seed_past_int64_reaches_the_server_as_the_same_bits_signed(default_model_dir):
+    """The engine takes seeds up to 2**64 - 1; vLLM only the int64 range, so such a seed
+    passed the client's checks and failed at the server once the call had begun."""
+    server = FakeVLLM(default_model_dir, lambda path: (404, b"{}"))
+    try:
+        engine = RemoteEngine(server.url, max_retries=0)
+        for seed, sent in ((2**64 - 1, -1), (2**63, -(2**63)), (7, 7)):
+            "".join(engine.start_chat([{"role": "user", "content": "Hi?"}], method="full", max_new_tokens=1,
+                                      seed=seed).pieces)
+            assert server.bodies[-1]["seed"] == sent
+    finally:
+        server.close()

@@ -367,10 +367,17 @@ class RemoteEngine(Answering):
                 max_retries=0, timeout=max(0.001, t0 + opts.timeout - time.perf_counter()))
             return client.completions.create(
                 model=self.model_name, prompt=ids, max_tokens=budget,
-                temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                temperature=sampling.temperature, top_p=sampling.top_p, seed=_int64(sampling.seed),
                 stop=list(sampling.stop) or None, stream=True,
                 stream_options={"include_usage": True},
                 extra_body={"kv_transfer_params": params, "ignore_eos": sampling.ignore_eos})
 
         return RemoteGeneration(stream, stats, t0, opts.timeout,
                                 receipt=(lambda deadline: self._fetch_receipt(tag, deadline)) if tag else None)
+
+
+def _int64(seed: int | None) -> int | None:
+    """A seed as vLLM takes it (a signed 64-bit int): the engine takes any 64-bit pattern,
+    signed or not, and a seed of 2**63 or more was refused by the server after the call
+    began.  The same bits, read as signed, keep distinct seeds distinct."""
+    return seed - 2**64 if seed is not None and seed >= 2**63 else seed

@@ -153,12 +153,15 @@ class Generation:
         tokens: list[int] = []
         finish = "length"
         eos: set[int] = set() if self.sampling.ignore_eos else eng.eos_ids
-        t = time.perf_counter()
+        # the engine's own decode time: the consumer's, while it holds a piece, is not counted
+        decode_s, t = 0.0, time.perf_counter()
         while token not in eos:
             tokens.append(token)
             piece = text.push(token)
             if piece:
+                decode_s += time.perf_counter() - t
                 yield piece
+                t = time.perf_counter()
             if text.stopped or len(tokens) >= budget:
                 break
             check_deadline(self.deadline, f"decoding, after {len(tokens)} tokens")
@@ -167,9 +170,9 @@ class Generation:
         if token in eos or text.stopped:
             finish = "stop"
         tail = text.flush()
+        self.stats.seconds["decode"] = decode_s + time.perf_counter() - t
         if tail:
             yield tail
-        self.stats.seconds["decode"] = time.perf_counter() - t
         self.stats.new_tokens = len(tokens)
         self.result = Result(text=text.text, token_ids=tokens, ttft_s=ttft, stats=self.stats, finish_reason=finish,
                              first_token_logits=report.logits, hkvd_positions=report.hkvd_positions.tolist())
