@@ -232,3 +232,59 @@ def test_llamaindex_refuses_tool_calls_and_keeps_its_api_key_secret(default_engi
         llm.chat([ChatMessage(role="user", content="Hi"),
                   ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": calls}),
                   ChatMessage(role="user", content="And?")])
+
+
+def test_the_retrieval_chain_gives_a_runnable_retriever_the_whole_input(default_engine):
+    """Every retriever got the question string: a Runnable that reads the input dict, as
+    create_history_aware_retriever does (``x.get("chat_history")``), failed."""
+    llm = ChatCacheBlend(engine=default_engine, max_tokens=2)
+    seen: list = []
+    retriever = RunnableLambda(lambda x: seen.append(x.get("chat_history")) or [Document(page_content=VIENNA)])
+    prompt = ChatPromptTemplate.from_messages([("system", "Sources:\n\n{context}"), ("human", "{input}")])
+    out = create_cacheblend_retrieval_chain(llm, retriever, prompt).invoke(
+        {"input": "What is the capital of Austria?", "chat_history": []})
+    assert seen == [[]] and out["answer"]
+
+
+def test_streams_retry_before_their_first_token_and_stream_kwarg_is_taken(default_engine, monkeypatch):
+    """``max_retries`` applied to invoke but not to stream/astream: a store error before the
+    first token ended a streamed call at once.  ``invoke(..., stream=False)``, LangChain's
+    per-call switch, was refused as an unknown option."""
+    llm = ChatCacheBlend(engine=default_engine, max_tokens=2, max_retries=1)
+    real, failures = default_engine.start_chat, [1]
+
+    def flaky(*args, **kwargs):
+        if failures:
+            failures.pop()
+            raise OSError("the store's disk went away for a moment")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(default_engine, "start_chat", flaky)
+    assert "".join(c.content for c in llm.stream("Hi")) and not failures  # one failure, one retry
+    failures.append(1)
+    assert asyncio.run(_collect(llm.astream("Hi"))) and not failures  # the same for astream
+    assert llm.invoke("Hi", stream=False).content and llm.invoke("Hi", stream=True).content
+
+
+async def _collect(stream) -> str:
+    return "".join([c.content async for c in stream])
+
+
+def test_deleting_one_copy_of_a_text_keeps_its_cache_for_the_other(default_engine):
+    """Caches are by content: deleting a document released the cache of a text another
+    document still held (a document re-indexed with new metadata, a paragraph two files
+    share), and released it even when the store deleted nothing."""
+    from langchain_core.embeddings import DeterministicFakeEmbedding
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    llm = ChatCacheBlend(engine=default_engine, max_tokens=2)
+    store = CacheBlendVectorStore(InMemoryVectorStore(DeterministicFakeEmbedding(size=32)), llm)
+    store.add_documents([Document(page_content=VIENNA, id="a", metadata={"v": 1}),
+                         Document(page_content=VIENNA, id="b", metadata={"v": 2})])
+    key = store.get_by_ids(["a"])[0].metadata[CACHE_KEY]
+    vector = DeterministicFakeEmbedding(size=32).embed_query(VIENNA)
+    assert len(store.max_marginal_relevance_search_by_vector(vector, k=1)) == 1  # forwarded to the store
+    store.delete(["a"])
+    assert default_engine.store.open(key) is not None  # "b" holds the text
+    store.delete(["b"])
+    assert default_engine.store.open(key) is None  # the last copy: released

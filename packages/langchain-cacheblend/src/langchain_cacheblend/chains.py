@@ -33,7 +33,11 @@ def create_cacheblend_retrieval_chain(
     whose output adds ``"context"`` (the retrieved Documents) and ``"answer"`` (a string),
     as LangChain's ``create_retrieval_chain`` does.
 
-    ``llm`` must accept ``documents=`` (a :class:`ChatCacheBlend`, possibly bound)."""
+    ``llm`` must accept ``documents=`` (a :class:`ChatCacheBlend`, possibly bound).  Each
+    document, formatted by ``document_prompt``, is a chunk: with the default prompt that is
+    its ``page_content``, whose cache :class:`CacheBlendVectorStore` precomputed at
+    indexing; a custom prompt (``"Source: {source}\n{page_content}"``) makes new chunks,
+    precomputed on their first query."""
     if document_variable_name not in prompt.input_variables:
         raise ValueError(f"prompt must take {{{document_variable_name}}}; its variables: {prompt.input_variables}")
     doc_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
@@ -44,7 +48,10 @@ def create_cacheblend_retrieval_chain(
         fill: Runnable = RunnableLambda(lambda x: {**x, document_variable_name: document_separator.join(texts)})
         return fill | prompt | llm.bind(documents=texts) | StrOutputParser()
 
-    retrieve = RunnableLambda(lambda x: x["input"]) | retriever
+    # a BaseRetriever takes the question; any other Runnable the whole input, as in LangChain's
+    # create_retrieval_chain (create_history_aware_retriever reads "chat_history" from it)
+    retrieve: Runnable = (RunnableLambda(lambda x: x["input"]) | retriever) \
+        if isinstance(retriever, BaseRetriever) else retriever
     return (
         RunnablePassthrough.assign(context=retrieve.with_config(run_name="retrieve_documents"))
         .assign(answer=RunnableLambda(answer).with_config(run_name="cacheblend_stuff_documents"))

@@ -9,6 +9,7 @@ blending all happen in the core (:meth:`cacheblend.Engine.start_chat`), or, with
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Literal
@@ -242,6 +243,7 @@ class ChatCacheBlend(BaseChatModel):
     # -- requests ------------------------------------------------------------------------
     def _start(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> GenerationRun:
         kwargs = {name: value for name, value in kwargs.items() if not name.startswith("ls_")}  # tracing only
+        kwargs.pop("stream", None)  # LangChain's per-call streaming switch, already applied by its caller
         documents = document_texts(kwargs.pop("documents", None) or ())
         model = kwargs.pop("model", None)
         if not self._same_model(model):
@@ -259,6 +261,23 @@ class ChatCacheBlend(BaseChatModel):
 
     def _attempts(self) -> int:
         return 1 + max(0, self.max_retries)
+
+    def _started(self, messages: list[BaseMessage], stop: list[str] | None,
+                 kwargs: dict[str, Any]) -> tuple[GenerationRun, Iterator[str]]:
+        """A streamed call's run and its pieces.  Its start and first piece are retried as
+        :meth:`_generate` retries a call (nothing has reached the caller yet); after the
+        first piece an error ends the stream."""
+        for attempt in range(self._attempts()):
+            try:
+                gen = self._start(messages, stop, kwargs)
+                first = next(gen.pieces, None)
+                break
+            except (TimeoutError, ValueError):  # bad input (CacheBlendError is one) or too slow: no retry
+                raise
+            except Exception:
+                if attempt + 1 == self._attempts():
+                    raise
+        return gen, itertools.chain(() if first is None else (first,), gen.pieces)
 
     def _timeout(self, kwargs: dict[str, Any]) -> float | None:
         """The call's time limit: a per-call ``timeout`` (None: none) over the field."""
@@ -298,8 +317,8 @@ class ChatCacheBlend(BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         timeout = self._timeout(kwargs)
         deadline = time.monotonic() + timeout if timeout else None
-        gen = self._start(messages, stop, kwargs)
-        for piece in gen.pieces:
+        gen, pieces = self._started(messages, stop, kwargs)
+        for piece in pieces:
             _check(deadline, timeout)
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
             if run_manager:
@@ -329,8 +348,9 @@ class ChatCacheBlend(BaseChatModel):
         started: list[GenerationRun] = []
 
         def start() -> Iterator[str]:
-            started.append(self._start(messages, stop, kwargs))
-            return started[0].pieces
+            gen, pieces = self._started(messages, stop, kwargs)
+            started.append(gen)
+            return pieces
 
         async for piece in iterate_in_thread(start):
             _check(deadline, timeout)

@@ -73,9 +73,22 @@ class CacheBlendVectorStore(VectorStore):
                             "(release them with llm.release(texts))", type(self.vectorstore).__name__, len(ids))
                 gone = []
             result = self.vectorstore.delete(ids, **kwargs)
-            self.llm.release(gone)
+            if result is not False:  # False: the store deleted nothing (LangChain's index() then raises)
+                self.llm.release([t for t in dict.fromkeys(gone) if not self._still_held(t)])
             return result
         return self.vectorstore.delete(ids, **kwargs)
+
+    def _still_held(self, text: str) -> bool:
+        """Whether a remaining document holds ``text`` (its nearest neighbour is the same
+        text): caches are by content, so a document re-indexed with new metadata, or a
+        paragraph two files share, must keep its cache when the other copy is deleted.
+        Where the store cannot search, the cache is kept: a stale cache costs space, a
+        missing one a recompute."""
+        try:
+            return any(d.page_content == text for d in self.vectorstore.similarity_search(text, k=1))
+        except Exception as e:  # noqa: BLE001 - any store's failure: keep the cache
+            log.warning("cannot tell whether another document holds a deleted text (%s); its cache stays", e)
+            return True
 
     def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
         return self.vectorstore.get_by_ids(ids)
@@ -89,6 +102,19 @@ class CacheBlendVectorStore(VectorStore):
 
     def similarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
         return self.vectorstore.similarity_search_by_vector(embedding, k=k, **kwargs)
+
+    def max_marginal_relevance_search_by_vector(self, embedding: list[float], k: int = 4, fetch_k: int = 20,
+                                                lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
+        return self.vectorstore.max_marginal_relevance_search_by_vector(embedding, k=k, fetch_k=fetch_k,
+                                                                        lambda_mult=lambda_mult, **kwargs)
+
+    async def asimilarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
+        return await self.vectorstore.asimilarity_search(query, k=k, **kwargs)
+
+    async def amax_marginal_relevance_search(self, query: str, k: int = 4, fetch_k: int = 20,
+                                             lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
+        return await self.vectorstore.amax_marginal_relevance_search(query, k=k, fetch_k=fetch_k,
+                                                                     lambda_mult=lambda_mult, **kwargs)
 
     def max_marginal_relevance_search(self, query: str, k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5,
                                       **kwargs: Any) -> list[Document]:
