@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, Literal, TypeVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
@@ -34,6 +34,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _D = RequestOptions()  # the core's defaults: the same options, names and defaults as every entry point
 # Request options that are fields here under the core's own name (max_tokens and stop are LangChain's names).
 _FIELD_OPTIONS = [n for n in RequestOptions.names() if n not in ("max_new_tokens", "stop")]
+
+_T = TypeVar("_T")
 
 
 class ChatCacheBlend(BaseChatModel):
@@ -259,24 +261,31 @@ class ChatCacheBlend(BaseChatModel):
         return self.get_engine().start_chat(chat_messages(messages), documents,
                                             **(options | self.model_kwargs | _per_call(kwargs)))
 
-    def _attempts(self) -> int:
-        return 1 + max(0, self.max_retries)
+    def _retried(self, once: Callable[[], _T]) -> _T:
+        """``once()`` under the retry policy: bad input (a ValueError; CacheBlendError is one)
+        and a timeout raise at once, other failures are tried again up to ``max_retries`` times."""
+        attempts = 1 + max(0, self.max_retries)
+        for attempt in range(attempts):
+            try:
+                return once()
+            except (TimeoutError, ValueError):
+                raise
+            except Exception:
+                if attempt + 1 == attempts:
+                    raise
+        raise AssertionError("unreachable")
 
     def _started(self, messages: list[BaseMessage], stop: list[str] | None,
                  kwargs: dict[str, Any]) -> tuple[GenerationRun, Iterator[str]]:
         """A streamed call's run and its pieces.  Its start and first piece are retried as
         :meth:`_generate` retries a call (nothing has reached the caller yet); after the
         first piece an error ends the stream."""
-        for attempt in range(self._attempts()):
-            try:
-                gen = self._start(messages, stop, kwargs)
-                first = next(gen.pieces, None)
-                break
-            except (TimeoutError, ValueError):  # bad input (CacheBlendError is one) or too slow: no retry
-                raise
-            except Exception:
-                if attempt + 1 == self._attempts():
-                    raise
+
+        def once() -> tuple[GenerationRun, str | None]:
+            gen = self._start(messages, stop, kwargs)
+            return gen, next(gen.pieces, None)
+
+        gen, first = self._retried(once)
         return gen, itertools.chain(() if first is None else (first,), gen.pieces)
 
     def _timeout(self, kwargs: dict[str, Any]) -> float | None:
@@ -292,18 +301,15 @@ class ChatCacheBlend(BaseChatModel):
     ) -> ChatResult:
         timeout = self._timeout(kwargs)
         deadline = time.monotonic() + timeout if timeout else None
-        for attempt in range(self._attempts()):
-            try:
-                gen = self._start(messages, stop, kwargs)
-                for _ in gen.pieces:
-                    _check(deadline, timeout)
+
+        def once() -> GenerationRun:
+            gen = self._start(messages, stop, kwargs)
+            for _ in gen.pieces:
                 _check(deadline, timeout)
-                break
-            except (TimeoutError, ValueError):  # bad input (CacheBlendError is one) or too slow: no retry
-                raise
-            except Exception:
-                if attempt + 1 == self._attempts():
-                    raise
+            _check(deadline, timeout)
+            return gen
+
+        gen = self._retried(once)
         assert gen.result is not None
         message = AIMessage(content=gen.result.text, **self._metadata(gen.result))
         return ChatResult(generations=[ChatGeneration(message=message)])

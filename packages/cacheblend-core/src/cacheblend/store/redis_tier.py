@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from urllib.parse import urlsplit, urlunsplit
@@ -34,6 +33,7 @@ from .entry import (
     verify_entries,
 )
 from .signing import SIGNATURE, Signer
+from .spec import hide_password_query
 
 log = logging.getLogger("cacheblend.store")
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
@@ -284,5 +284,4 @@ def redact(url: str) -> str:
     ``password=`` query argument (redis-py takes either)."""
     parts = urlsplit(url)
     netloc = parts.netloc if parts.password is None else parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    query = re.sub(r"(^|&)(password=)[^&]*", r"\1\2***", parts.query, flags=re.IGNORECASE)
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return urlunsplit((parts.scheme, netloc, parts.path, hide_password_query(parts.query), parts.fragment))

@@ -83,8 +83,12 @@ def hide_secrets(text: str) -> str:
     """``text`` (a spec, or one tier of it) with a ``key=`` secret and a URL's user info
     (a Redis password) shown as ``***``, for error messages and logs."""
     text = re.sub(rf"(^|,)\s*key\s*=.*?(?=,\s*{_PART_START}|$)", r"\1key=***", text, flags=re.IGNORECASE | re.DOTALL)
-    text = re.sub(r"([?&]password=)[^&,\s]*", r"\1***", text, flags=re.IGNORECASE)
-    return re.sub(r"//[^/@\s]*@", "//***@", text)
+    return re.sub(r"//[^/@\s]*@", "//***@", hide_password_query(text))
+
+
+def hide_password_query(text: str) -> str:
+    """``text`` with a URL's ``password=`` query argument (redis-py takes one) as ``***``."""
+    return re.sub(r"((?:^|[?&])password=)[^&,\s]*", r"\1***", text, flags=re.IGNORECASE)
 
 
 def is_size(text: str) -> bool:
